@@ -1,0 +1,51 @@
+"""The `labkit` command line: one sub-module per command, each with `register(subparsers)`.
+
+Every command answers bad arguments with one line on stderr naming the argument and what would work, and
+exit status 2 (`UsageError`), never a traceback. Heavy imports (torch, deepspeed) happen inside a command's
+`run`, so `labkit budget --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = ("doctor",)  # modules of labkit.cli, in the order `labkit --help` lists them
+
+
+class UsageError(Exception):
+    """A bad argument or an impossible request: the message is one sentence that says what would work."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints a usage block by default)
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="labkit", description="A teaching lab for ZeRO-3: from scratch, FSDP2 and DeepSpeed.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMANDS:
+        importlib.import_module(f"labkit.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `labkit` console script; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(str(e).strip().splitlines()[0], file=sys.stderr)
+        return 2
+    except ValueError as e:  # the library's own one-sentence errors for impossible requests
+        print(f"labkit {args.command}: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("labkit: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,432 @@
+"""Start N ranks from a notebook cell or the CLI with torch elastic, and bring back what each returned.
+
+`launch(fn, world_size)` runs `fn` once per rank in processes started by
+`torch.distributed.elastic.multiprocessing.start_processes` (the machinery behind `torchrun`): gloo on CPU
+processes, NCCL when every rank has its own GPU. Under a real `torchrun`/`deepspeed` launcher it does not
+start anything: it runs `fn` on the rank it finds itself on and all-gathers the results.
+
+The rule for start methods: `fork` on CPU (fast, and a function defined in a notebook cell simply exists in
+the child); `spawn` once CUDA is in play (fork is unsafe after CUDA has started in the parent). In both,
+`fn` and its arguments travel by value with cloudpickle, so a function from `__main__` works either way.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import mmap
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 120.0
+RANK_BYTES_ESTIMATE = 500 * 2**20  # resident memory of one idle rank with torch imported (bytes)
+_STATUS_BYTES = 256  # size of each rank's "last collective" slot (bytes)
+_COLLECTIVES = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_single", "all_gather_into_tensor",
+    "all_gather_coalesced", "all_gather_object", "reduce_scatter", "reduce_scatter_single",
+    "reduce_scatter_tensor", "reduce", "broadcast", "broadcast_object_list", "scatter", "gather",
+    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
+)  # fmt: skip
+
+
+class LaunchError(RuntimeError):
+    """A rank failed. `rank` is the first rank that failed, `rank_traceback` its own traceback text."""
+
+    def __init__(self, message: str, rank: int | None = None, rank_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.rank_traceback = rank_traceback
+
+
+class LaunchTimeout(LaunchError):
+    """The ranks did not all finish within `timeout` seconds. `doing` says what each rank was doing."""
+
+    def __init__(self, message: str, doing: dict[int, str]):
+        super().__init__(message)
+        self.doing = doing
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where ranks run: the process-group `backend`, the `device_type` of each rank, the start method."""
+
+    backend: str
+    device_type: str
+    start_method: str
+
+
+def max_ranks(device_type: str | None = None) -> int:
+    """How many ranks this machine can run at once (ranks).
+
+    GPU: one rank per visible device. CPU: four ranks per core (the lab's models are tiny and the ranks
+    spend most of their time waiting on each other), bounded by the memory available for ~500 MB ranks.
+    """
+    device_type = device_type or _default_placement().device_type
+    if device_type == "cuda":
+        return torch.cuda.device_count()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4 * cores, _available_memory_bytes() // RANK_BYTES_ESTIMATE))
+
+
+def placement(world_size: int) -> Placement:
+    """The backend, device and start method `launch` uses for `world_size` ranks on this machine."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return Placement("nccl", "cuda", "spawn")
+    start = "spawn" if torch.cuda.is_initialized() else "fork"
+    return Placement("gloo", "cpu", start)
+
+
+def under_launcher() -> bool:
+    """True when this process is a rank started by torchrun or the DeepSpeed launcher."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LABKIT_LAUNCH_DIR" not in os.environ
+    )
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    start_method: str | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks and return their results in rank order.
+
+    Each rank has the default process group initialised (and destroyed after `fn` returns), the usual
+    RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT variables set, and its prints shown here
+    prefixed `[rank k]`. A rank that raises makes this raise `LaunchError` with that rank's message and
+    traceback; ranks still running after `timeout` seconds are killed and `LaunchTimeout` says what each
+    was doing. `timeout` and `start_method` are options of `launch`; every other keyword goes to `fn`.
+    """
+    if under_launcher():
+        return _run_in_place(fn, world_size, args, kwargs)
+    if os.environ.get("LABKIT_LAUNCH_DIR"):
+        raise RuntimeError("labkit.launch was called inside a rank; call it once, from the parent process")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: pass a whole number of ranks, 1 or more")
+    where = placement(world_size)
+    limit = max_ranks(where.device_type)
+    if world_size > limit:
+        raise ValueError(
+            f"world_size={world_size} but this machine can run {limit} {where.device_type} ranks; "
+            f"pass world_size<={limit}"
+        )
+    if start_method is not None:
+        where = Placement(where.backend, where.device_type, start_method)
+    return _Run(fn, args, kwargs, world_size, where, timeout).run()
+
+
+# ---------------------------------------------------------------------------------------------- parent
+
+
+class _Run:
+    """One launch: a TCP store here, `world_size` children, their logs tailed, their failures read."""
+
+    def __init__(self, fn, args, kwargs, world_size: int, where: Placement, timeout: float):
+        self.world_size = world_size
+        self.where = where
+        self.timeout = timeout
+        self.payload = cloudpickle.dumps((fn, args, kwargs))
+        self.dir = tempfile.mkdtemp(prefix="labkit-launch-")
+
+    def run(self) -> list[Any]:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        n = self.world_size
+        envs = {r: self._env(r, store.port) for r in range(n)}
+        args = {r: (self.payload, self.dir, self.where.backend) for r in range(n)}
+        logs = {r: os.path.join(self.dir, f"rank{r}.log") for r in range(n)}
+        saved_handlers = _signal_handlers()
+        saved_levels = _quiet_elastic_loggers()
+        tail = TailLog("labkit", logs, sys.stdout, {r: f"[rank {r}] " for r in range(n)}).start()
+        pc = None
+        try:
+            pc = start_processes(
+                name="labkit",
+                entrypoint=_rank_main,
+                args=args,
+                envs=envs,
+                logs_specs=DefaultLogsSpecs(log_dir=os.path.join(self.dir, "elastic"), redirects=Std.NONE),
+                start_method=self.where.start_method,
+            )
+            result = self._wait(pc)
+        except SignalException as e:
+            raise KeyboardInterrupt(f"interrupted by signal {e.sigval}; the {n} ranks were stopped") from None
+        finally:
+            if pc is not None:
+                pc.close(timeout=5)
+            tail.stop()
+            _restore_signal_handlers(saved_handlers)
+            for logger, level in saved_levels.items():
+                logger.setLevel(level)
+            del store
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return result
+
+    def _env(self, rank: int, port: int) -> dict[str, str]:
+        n = str(self.world_size)
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n,
+               "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "LABKIT_LAUNCH_DIR": self.dir}  # fmt: skip
+        if self.where.device_type == "cpu":
+            # CPU ranks never touch a GPU, and DeepSpeed picks its CPU accelerator without a warning.
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
+        return env
+
+    def _wait(self, pc) -> list[Any]:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            result = pc.wait(timeout=0)
+            if result is not None:
+                break
+            if time.monotonic() > deadline:
+                doing = self._what_ranks_are_doing(pc)
+                lines = "\n".join(f"  rank {r}: {d}" for r, d in sorted(doing.items()))
+                raise LaunchTimeout(
+                    f"the {self.world_size} ranks did not finish within timeout={self.timeout:g} s and were "
+                    f"stopped; what each was doing:\n{lines}",
+                    doing,
+                )
+            time.sleep(0.02)
+        if result.is_failed():
+            raise self._first_failure(result)
+        return [cloudpickle.loads(result.return_values[r]) for r in range(self.world_size)]
+
+    def _first_failure(self, result) -> LaunchError:
+        """The root cause: a rank that died without a report, else the earliest report of an exception."""
+        rank, failure = min(result.failures.items())
+        reports = [self._read_json(f"error{r}.json") for r in range(self.world_size)]
+        reports = [e for e in reports if e is not None]
+        if reports and self._read_json(f"error{rank}.json") is not None:
+            first = min(reports, key=lambda e: e["time"])
+            return LaunchError(
+                f"rank {first['rank']} failed: {first['error']}\n\n"
+                f"Traceback from rank {first['rank']}:\n{first['traceback']}",
+                first["rank"],
+                first["traceback"],
+            )
+        how = (
+            f"was killed by signal {signal.Signals(-failure.exitcode).name}"
+            if failure.exitcode < 0
+            else f"exited with status {failure.exitcode}"
+        )
+        log = _tail_text(os.path.join(self.dir, f"rank{rank}.log"))
+        return LaunchError(f"rank {rank} {how} before returning" + (f"; its last output:\n{log}" if log else ""), rank)
+
+    def _what_ranks_are_doing(self, pc) -> dict[int, str]:
+        """Ask each live rank to dump its stacks (faulthandler on SIGUSR1) and read its last collective."""
+        pids = pc.pids()
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+        doing = {}
+        for rank in range(self.world_size):
+            status = _read_status(os.path.join(self.dir, f"status{rank}"))
+            where = _user_frame(_tail_text(os.path.join(self.dir, f"stack{rank}.txt"), 200))
+            doing[rank] = status + (f"; at {where}" if where else "")
+        return doing
+
+    def _read_json(self, name: str) -> dict | None:
+        try:
+            with open(os.path.join(self.dir, name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+
+def _run_in_place(fn, world_size: int, args, kwargs) -> list[Any]:
+    """Under torchrun: run `fn` on this rank and all-gather every rank's result."""
+    created = not dist.is_initialized()
+    if created:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    if dist.get_world_size() != world_size:
+        raise ValueError(
+            f"world_size={world_size} but the launcher started {dist.get_world_size()} ranks; "
+            f"pass world_size={dist.get_world_size()}"
+        )
+    try:
+        value = fn(*args, **kwargs)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- child
+
+
+def _rank_main(payload: bytes, run_dir: str, backend: str) -> bytes:
+    """Body of every rank: wire up output and diagnostics, join the group, run `fn`, report."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _redirect_output(os.path.join(run_dir, f"rank{rank}.log"))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # being stopped by the parent is not this rank's error
+    stack_file = open(os.path.join(run_dir, f"stack{rank}.txt"), "w")  # noqa: SIM115 (kept open for faulthandler)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+    _track_collectives(os.path.join(run_dir, f"status{rank}"))
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // world_size))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        fn, args, kwargs = cloudpickle.loads(payload)
+        value = cloudpickle.dumps(fn(*args, **kwargs))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 (every failure is reported to the parent, then the rank exits)
+        report = {"rank": rank, "time": time.time(), "error": f"{type(e).__name__}: {e}",
+                  "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))}  # fmt: skip
+        with open(os.path.join(run_dir, f"error{rank}.json"), "w") as f:
+            json.dump(report, f)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return value
+
+
+def _redirect_output(path: str) -> None:
+    """Send this process's fd 1 and 2, and Python's sys.stdout/stderr, to `path`, line-buffered."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+
+
+def _track_collectives(path: str) -> None:
+    """Record, in a small shared file, the last collective this rank entered and whether it returned."""
+    with open(path, "wb") as f:
+        f.write(b"no collective entered yet".ljust(_STATUS_BYTES))
+    with open(path, "r+b") as f:
+        slot = mmap.mmap(f.fileno(), _STATUS_BYTES)
+    start = time.monotonic()
+    count = [0]
+
+    def mark(text: str) -> None:
+        slot[:] = text.encode()[:_STATUS_BYTES].ljust(_STATUS_BYTES)
+
+    def wrap(name: str, original: Callable) -> Callable:
+        def tracked(*args, **kwargs):
+            count[0] += 1
+            mark(f"inside {name} (collective #{count[0]}, entered at t={time.monotonic() - start:.2f} s)")
+            out = original(*args, **kwargs)
+            mark(f"returned from {name} (collective #{count[0]}, its last)")
+            return out
+
+        tracked.__wrapped__ = original
+        tracked.__name__ = name
+        tracked.__doc__ = original.__doc__
+        return tracked
+
+    from torch.distributed import distributed_c10d
+
+    for name in _COLLECTIVES:
+        original = getattr(distributed_c10d, name, None)
+        if original is not None:
+            tracked = wrap(name, original)
+            setattr(distributed_c10d, name, tracked)
+            setattr(dist, name, tracked)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _read_status(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(_STATUS_BYTES).decode(errors="replace").strip() or "unknown"
+    except OSError:
+        return "had not started"
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def _user_frame(stack_dump: str) -> str:
+    """Where the rank's main thread is: its innermost frame outside torch and labkit.cluster, and the
+    torch function it is inside when that is deeper (e.g. a rendezvous that never completes)."""
+    block = next((b for b in stack_dump.split("\n\n") if "_rank_main" in b), "")
+    frames = list(_FRAME.finditer(block))  # most recent call first
+    for i, m in enumerate(frames):
+        if f"{os.sep}torch{os.sep}" not in m["file"] and not m["file"].endswith("cluster.py"):
+            inside = f" (inside torch's {frames[0]['func']})" if i > 0 and "torch" in frames[0]["file"] else ""
+            return f"{m['file']}:{m['line']} in {m['func']}{inside}"
+    return ""
+
+
+def _tail_text(path: str, max_lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-max_lines:]).rstrip()
+    except OSError:
+        return ""
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 8 * 2**30
+
+
+_HANDLED_SIGNALS = [getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, s)]
+
+
+def _signal_handlers() -> dict:
+    """The parent's signal handlers, which start_processes replaces with its own (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.getsignal(s) for s in _HANDLED_SIGNALS}
+
+
+def _restore_signal_handlers(saved: dict) -> None:
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def _quiet_elastic_loggers() -> dict:
+    """Silence torch elastic's own failure logs: `launch` raises one exception that says it all."""
+    import logging
+
+    saved = {}
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logger = logging.getLogger(name)
+        saved[logger] = logger.level
+        logger.setLevel(logging.CRITICAL)
+    return saved
+
+
+def _default_placement() -> Placement:
+    return placement(1)

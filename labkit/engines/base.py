@@ -1,0 +1,57 @@
+"""What every engine is: a `RunConfig` in, the same three-phase step on every rank, a `RunResult` out.
+
+An engine only trains. It never measures itself: the shared training loop wraps its phases in the probes'
+spans and the probes count its collectives from outside, so every engine is measured the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+ENGINES = ("single", "ddp", "scratch", "fsdp2", "deepspeed")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One comparison run. The same config gives every engine the same model, seed, batches and AdamW."""
+
+    model: str = "tiny"
+    world_size: int = 2
+    steps: int = 5
+    dtype: str = "float32"  # "float32" or "bfloat16" (compute dtype; master weights stay float32)
+    seed: int = 0
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    prefetch: bool = True
+    reshard_after_forward: bool = True
+    offload: str = "none"  # "none" or "cpu" (optimizer state on the host)
+    link_gbytes: float | None = None  # emulated link bandwidth (GB/s, 1 GB = 1e9 B); None: no emulation
+    options: dict[str, Any] = field(default_factory=dict)  # engine-specific extras, documented per engine
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Engine(Protocol):
+    """Built once per rank, inside an initialised process group, around the lab's model.
+
+    The loop calls, per step: `forward_loss` (forward + loss on this rank's slice), `backward`, then
+    `optimizer_step` (which also clears gradients for the next step).
+    """
+
+    name: str
+
+    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def optimizer_step(self) -> None: ...
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank keeps between steps, as local shards: keys "params", "grads", "optimizer"."""
+        ...
