@@ -6,8 +6,9 @@ processes, NCCL when every rank has its own GPU. Under a real `torchrun`/`deepsp
 start anything: it runs `fn` on the rank it finds itself on and all-gathers the results.
 
 The rule for start methods: `fork` on CPU (fast, and a function defined in a notebook cell simply exists in
-the child); `spawn` once CUDA is in play (fork is unsafe after CUDA has started in the parent). In both,
-`fn` and its arguments travel by value with cloudpickle, so a function from `__main__` works either way.
+the child, with its source for tracebacks); `spawn` once CUDA is in play (fork is unsafe after CUDA has
+started in the parent), with `fn` and its arguments sent by value with cloudpickle, so a function from
+`__main__` or a notebook cell works there too. Return values come back by value in both.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ class LaunchError(RuntimeError):
 class LaunchTimeout(LaunchError):
     """The ranks did not all finish within `timeout` seconds. `doing` says what each rank was doing."""
 
-    def __init__(self, message: str, doing: dict[int, str]):
+    def __init__(self, message: str, doing: dict[int, str], stacks: dict[int, str] | None = None):
         super().__init__(message)
         self.doing = doing
+        self.stacks = stacks or {}  # each rank's full Python stack dump (all threads), for digging deeper
 
 
 @dataclass(frozen=True)
@@ -135,30 +137,47 @@ def launch(
 
 
 class _Run:
-    """One launch: a TCP store here, `world_size` children, their logs tailed, their failures read."""
+    """One launch: `world_size` children meeting at rank 0's TCP store, their logs tailed, failures read."""
 
     def __init__(self, fn, args, kwargs, world_size: int, where: Placement, timeout: float):
         self.world_size = world_size
         self.where = where
         self.timeout = timeout
-        self.payload = cloudpickle.dumps((fn, args, kwargs))
+        # Forked children inherit `fn` as it is (tracebacks keep real file names and source lines);
+        # spawned ones get it by value.
+        call = (fn, args, kwargs)
+        self.payload = call if where.start_method == "fork" else cloudpickle.dumps(call)
         self.dir = tempfile.mkdtemp(prefix="labkit-launch-")
 
     def run(self) -> list[Any]:
+        """Start the ranks; retry once if another process took the rendezvous port in the meantime."""
+        try:
+            for attempt in (1, 2):
+                try:
+                    return self._run_once(_free_port())
+                except LaunchError as e:
+                    if attempt == 2 or "address already in use" not in str(e).lower():
+                        raise
+                    _empty_dir(self.dir)
+            raise AssertionError("unreachable")
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _run_once(self, port: int) -> list[Any]:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         n = self.world_size
-        envs = {r: self._env(r, store.port) for r in range(n)}
+        envs = {r: self._env(r, port) for r in range(n)}
         args = {r: (self.payload, self.dir, self.where.backend) for r in range(n)}
         logs = {r: os.path.join(self.dir, f"rank{r}.log") for r in range(n)}
         saved_handlers = _signal_handlers()
         saved_levels = _quiet_elastic_loggers()
-        tail = TailLog("labkit", logs, sys.stdout, {r: f"[rank {r}] " for r in range(n)}).start()
-        pc = None
+        pc = tail = None
         try:
+            # No thread of ours may run in this process while it forks (a lock held by one would be
+            # copied held into every child): the store lives in rank 0, the log tailer starts after.
             pc = start_processes(
                 name="labkit",
                 entrypoint=_rank_main,
@@ -167,19 +186,18 @@ class _Run:
                 logs_specs=DefaultLogsSpecs(log_dir=os.path.join(self.dir, "elastic"), redirects=Std.NONE),
                 start_method=self.where.start_method,
             )
-            result = self._wait(pc)
+            tail = TailLog("labkit", logs, sys.stdout, {r: f"[rank {r}] " for r in range(n)}).start()
+            return self._wait(pc)
         except SignalException as e:
             raise KeyboardInterrupt(f"interrupted by signal {e.sigval}; the {n} ranks were stopped") from None
         finally:
             if pc is not None:
                 pc.close(timeout=5)
-            tail.stop()
+            if tail is not None:
+                tail.stop()
             _restore_signal_handlers(saved_handlers)
             for logger, level in saved_levels.items():
                 logger.setLevel(level)
-            del store
-            shutil.rmtree(self.dir, ignore_errors=True)
-        return result
 
     def _env(self, rank: int, port: int) -> dict[str, str]:
         n = str(self.world_size)
@@ -199,12 +217,13 @@ class _Run:
             if result is not None:
                 break
             if time.monotonic() > deadline:
-                doing = self._what_ranks_are_doing(pc)
+                doing, stacks = self._what_ranks_are_doing(pc)
                 lines = "\n".join(f"  rank {r}: {d}" for r, d in sorted(doing.items()))
                 raise LaunchTimeout(
                     f"the {self.world_size} ranks did not finish within timeout={self.timeout:g} s and were "
                     f"stopped; what each was doing:\n{lines}",
                     doing,
+                    stacks,
                 )
             time.sleep(0.02)
         if result.is_failed():
@@ -232,7 +251,7 @@ class _Run:
         log = _tail_text(os.path.join(self.dir, f"rank{rank}.log"))
         return LaunchError(f"rank {rank} {how} before returning" + (f"; its last output:\n{log}" if log else ""), rank)
 
-    def _what_ranks_are_doing(self, pc) -> dict[int, str]:
+    def _what_ranks_are_doing(self, pc) -> tuple[dict[int, str], dict[int, str]]:
         """Ask each live rank to dump its stacks (faulthandler on SIGUSR1) and read its last collective."""
         pids = pc.pids()
         for pid in pids.values():
@@ -241,12 +260,13 @@ class _Run:
             except ProcessLookupError:
                 pass
         time.sleep(0.5)
-        doing = {}
+        doing, stacks = {}, {}
         for rank in range(self.world_size):
             status = _read_status(os.path.join(self.dir, f"status{rank}"))
-            where = _user_frame(_tail_text(os.path.join(self.dir, f"stack{rank}.txt"), 200))
+            stacks[rank] = _tail_text(os.path.join(self.dir, f"stack{rank}.txt"), 400)
+            where = _user_frame(stacks[rank])
             doing[rank] = status + (f"; at {where}" if where else "")
-        return doing
+        return doing, stacks
 
     def _read_json(self, name: str) -> dict | None:
         try:
@@ -282,10 +302,11 @@ def _run_in_place(fn, world_size: int, args, kwargs) -> list[Any]:
 # ---------------------------------------------------------------------------------------------- child
 
 
-def _rank_main(payload: bytes, run_dir: str, backend: str) -> bytes:
+def _rank_main(payload: bytes | tuple, run_dir: str, backend: str) -> bytes:
     """Body of every rank: wire up output and diagnostics, join the group, run `fn`, report."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _redirect_output(os.path.join(run_dir, f"rank{rank}.log"))
+    _die_with_parent()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # being stopped by the parent is not this rank's error
     stack_file = open(os.path.join(run_dir, f"stack{rank}.txt"), "w")  # noqa: SIM115 (kept open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
@@ -295,9 +316,8 @@ def _rank_main(payload: bytes, run_dir: str, backend: str) -> bytes:
     try:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-        fn, args, kwargs = cloudpickle.loads(payload)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+        fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         value = cloudpickle.dumps(fn(*args, **kwargs))
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 (every failure is reported to the parent, then the rank exits)
@@ -378,10 +398,34 @@ def _user_frame(stack_dump: str) -> str:
     block = next((b for b in stack_dump.split("\n\n") if "_rank_main" in b), "")
     frames = list(_FRAME.finditer(block))  # most recent call first
     for i, m in enumerate(frames):
-        if f"{os.sep}torch{os.sep}" not in m["file"] and not m["file"].endswith("cluster.py"):
+        if f"{os.sep}torch{os.sep}" not in m["file"] and m["file"] != __file__:
             inside = f" (inside torch's {frames[0]['func']})" if i > 0 and "torch" in frames[0]["file"] else ""
             return f"{m['file']}:{m['line']} in {m['func']}{inside}"
     return ""
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank if the launching process dies (so no orphan rank lingers)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    """A TCP port on the loopback that nobody listens on now (rank 0 binds it a moment later)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _empty_dir(path: str) -> None:
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
 
 
 def _tail_text(path: str, max_lines: int = 20) -> str:

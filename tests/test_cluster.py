@@ -1,0 +1,161 @@
+"""labkit.launch: ranks started by torch elastic, results back in rank order, failures reported fast."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit.cluster import LaunchError, LaunchTimeout, max_ranks
+
+PY = sys.executable
+
+
+def _sum_of_ranks(scale=1):
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} says hi", flush=True)
+    return t.item() * scale
+
+
+def _no_children_left():
+    deadline = time.monotonic() + 5
+    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return psutil.Process().children(recursive=True) == []
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_all_reduce_of_ranks_gives_every_rank_the_same_sum(n, capfd):
+    assert labkit.launch(_sum_of_ranks, n, scale=2) == [2.0 * sum(range(n))] * n
+    out = capfd.readouterr().out
+    for r in range(n):
+        assert f"[rank {r}] rank {r} of {n} says hi" in out
+
+
+def test_args_kwargs_and_rank_ordered_return_values():
+    def fn(base, *, offset):
+        return (base + dist.get_rank() + offset, os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"])
+
+    assert labkit.launch(fn, 3, 10, offset=100) == [(110 + r, str(r), "3") for r in range(3)]
+
+
+def test_repeated_launches_in_one_process_free_their_ports_and_children():
+    for _ in range(4):
+        assert labkit.launch(_sum_of_ranks, 2) == [1.0, 1.0]
+    assert _no_children_left()
+
+
+def test_a_rank_that_raises_is_named_with_its_own_message_and_traceback():
+    def planted():
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        if dist.get_rank() == 2:
+            raise ValueError("planted on rank 2")
+        dist.all_reduce(t)  # the others wait here for rank 2, which never comes
+
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        labkit.launch(planted, 4)
+    assert time.monotonic() - start < 30
+    assert info.value.rank == 2
+    assert "rank 2 failed: ValueError: planted on rank 2" in str(info.value)
+    assert 'raise ValueError("planted on rank 2")' in info.value.rank_traceback
+    assert _no_children_left()
+
+
+def test_a_rank_that_dies_without_a_word_is_reported_with_its_exit_status():
+    def dies():
+        if dist.get_rank() == 1:
+            os._exit(3)
+        dist.barrier()
+
+    with pytest.raises(LaunchError, match="rank 1 exited with status 3"):
+        labkit.launch(dies, 2)
+
+
+def test_a_segfault_is_reported_as_a_signal():
+    def crashes():
+        if dist.get_rank() == 0:
+            import ctypes
+
+            ctypes.string_at(0)
+        dist.barrier()
+
+    with pytest.raises(LaunchError, match="rank 0 was killed by signal SIGSEGV"):
+        labkit.launch(crashes, 2)
+    assert _no_children_left()
+
+
+def test_a_hang_times_out_saying_what_each_rank_was_doing():
+    def hangs():
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        if dist.get_rank() == 0:
+            while True:
+                time.sleep(0.05)
+        dist.all_reduce(t)
+
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        labkit.launch(hangs, 3, timeout=3)
+    assert time.monotonic() - start < 15
+    doing = info.value.doing
+    assert "returned from all_reduce (collective #1" in doing[0] and "in hangs" in doing[0]
+    for r in (1, 2):
+        assert "inside all_reduce (collective #2" in doing[r]
+    assert "did not finish within timeout=3 s" in str(info.value)
+    assert _no_children_left()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "2"])
+def test_a_world_size_that_is_not_a_positive_whole_number_fails_before_anything_starts(bad):
+    with pytest.raises(ValueError, match="pass a whole number of ranks"):
+        labkit.launch(_sum_of_ranks, bad)
+
+
+def test_more_ranks_than_the_machine_can_run_is_refused_with_the_limit():
+    limit = max_ranks()
+    with pytest.raises(ValueError, match=f"this machine can run {limit} cpu ranks; pass world_size<={limit}"):
+        labkit.launch(_sum_of_ranks, limit + 1)
+
+
+def test_launch_inside_a_rank_is_refused():
+    def nested():
+        return labkit.launch(_sum_of_ranks, 2)
+
+    with pytest.raises(LaunchError, match="called inside a rank"):
+        labkit.launch(nested, 1)
+
+
+SCRIPT = """
+import torch, torch.distributed as dist, labkit
+def total():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+print("RESULT", labkit.launch(total, 4{extra}))
+"""
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_function_defined_in_python_c_code_runs_with_either_start_method(start_method):
+    code = SCRIPT.format(extra=f", start_method={start_method!r}")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "RESULT [6.0, 6.0, 6.0, 6.0]" in out.stdout
+
+
+def test_under_real_torchrun_launch_runs_in_place(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SCRIPT.format(extra="")))
+    torchrun = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone", str(script)]
+    out = subprocess.run(torchrun, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("RESULT [6.0, 6.0, 6.0, 6.0]") == 4
