@@ -1,0 +1,375 @@
+"""labkit.budget: hand-derived values, the fact sheet's numbers, properties, DeepSpeed's estimator, speed."""
+
+from __future__ import annotations
+
+import ast
+import math
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from labkit import budget
+from labkit.budget import collective_wire_bytes, plan
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ---- one collective, one tensor ------------------------------------------------------------------------
+
+
+def test_ring_wire_bytes_by_hand():
+    # 4 ranks, a 1000-byte tensor: each rank sends 3 chunks of 250 B; all-reduce is RS + AG.
+    assert collective_wire_bytes("all_gather", 1000, 4) == 750
+    assert collective_wire_bytes("reduce_scatter", 1000, 4) == 750
+    assert collective_wire_bytes("all_reduce", 1000, 4) == 1500
+    assert collective_wire_bytes("broadcast", 1000, 4) == 750
+    assert collective_wire_bytes("all_gather", 1000, 1) == 0
+    assert collective_wire_bytes("all_reduce", 1000, 2) == 1000
+    # rounded down when n does not divide the payload: 2 * 2 * 10 / 3 = 13.33
+    assert collective_wire_bytes("all_reduce", 10, 3) == 13
+
+
+def test_ring_wire_bytes_rejects_unknown_kind_and_bad_sizes():
+    with pytest.raises(ValueError, match="all_to_all.*all_gather"):
+        collective_wire_bytes("all_to_all", 10, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        collective_wire_bytes("all_gather", 10, 0)
+    with pytest.raises(ValueError, match="payload_bytes"):
+        collective_wire_bytes("all_gather", -1, 2)
+
+
+def test_dim0_padding():
+    assert budget.shard_rows(10, 4) == 3
+    assert budget.padded_rows(10, 4) == 12
+    assert budget.padded_numel((10, 3), 4) == 36
+    assert budget.shard_numel((10, 3), 4) == 9
+    assert budget.padded_numel((8, 5), 4) == 40  # already a multiple: no padding
+    assert budget.padded_numel((3,), 4) == 4  # fewer rows than ranks: one row each, three real
+    assert budget.padded_numel((), 2) == 2  # a scalar is one row
+    assert budget.padded_flat_numel(10, 4) == 12
+    assert budget.padded_flat_numel(12, 4) == 12
+
+
+# ---- hand-derived plans at small sizes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "strategy, terms",
+    [
+        # 1000 params, 4 ranks, bf16 mixed: weights 2, grads 2, master/m/v 4 B each; sharded terms / 4
+        ("ddp", {"weights": 2000, "grads": 2000, "master": 4000, "adam_m": 4000, "adam_v": 4000}),
+        ("zero1", {"weights": 2000, "grads": 2000, "master": 1000, "adam_m": 1000, "adam_v": 1000}),
+        ("zero2", {"weights": 2000, "grads": 500, "master": 1000, "adam_m": 1000, "adam_v": 1000}),
+        ("zero3", {"weights": 500, "grads": 500, "master": 1000, "adam_m": 1000, "adam_v": 1000}),
+    ],
+)
+def test_memory_terms_by_hand(strategy, terms):
+    r = plan(1000, 4, strategy)
+    assert r["memory_bytes_per_rank"] == terms
+    assert r["state_bytes_per_rank"] == sum(terms.values())
+    assert r["static_bytes_total"] == 16_000
+
+
+def test_traffic_by_hand():
+    # 1000 params in bf16 = 2000 B of weights or grads, 4 ranks: one ring pass moves 3/4 of it.
+    ddp = plan(1000, 4, "ddp")
+    assert ddp["traffic_bytes_by_collective"]["all_reduce"] == 3000
+    assert ddp["traffic_bytes_per_rank"] == 3000
+    z1 = plan(1000, 4, "zero1")  # RS of grads + AG of updated weights: the same volume as DDP
+    assert z1["traffic_bytes_by_collective"]["reduce_scatter"] == 1500
+    assert z1["traffic_bytes_by_collective"]["all_gather_after_step"] == 1500
+    assert z1["traffic_bytes_per_rank"] == ddp["traffic_bytes_per_rank"]
+    z3 = plan(1000, 4, "zero3")  # one more all-gather than ZeRO-1/2: 1.5x DDP
+    assert z3["traffic_bytes_per_rank"] == 4500
+    assert [t["key"] for t in z3["traffic_terms"]] == [
+        "all_gather_forward",
+        "all_gather_backward",
+        "reduce_scatter",
+    ]
+    # 4 ranks fit in one node of 8: everything is on the intra-node link
+    assert z3["traffic_bytes_by_link"] == {"intra_node": 4500, "inter_node": 0}
+
+
+def test_fp32_and_mixed_are_both_16_bytes_split_differently():
+    mixed, fp32 = plan(1000, 1, "ddp"), plan(1000, 1, "ddp", precision="fp32")
+    assert mixed["static_bytes_total"] == fp32["static_bytes_total"] == 16_000
+    assert fp32["memory_bytes_per_rank"] == {
+        "weights": 4000,
+        "grads": 4000,
+        "master": 0,
+        "adam_m": 4000,
+        "adam_v": 4000,
+    }
+    # fp32 moves 4-byte weights and grads: twice the bf16 traffic
+    assert (
+        plan(1000, 4, precision="fp32")["traffic_bytes_per_rank"]
+        == 2 * plan(1000, 4)["traffic_bytes_per_rank"]
+    )
+    assert plan(1000, 1, precision="bf16_pure")["static_bytes_total"] == 8000
+
+
+def test_reshard_after_forward_false_drops_the_backward_all_gather():
+    r = plan(1000, 4, reshard_after_forward=False, largest_layer_params=100)
+    assert r["traffic_bytes_by_collective"]["all_gather_backward"] == 0
+    assert r["traffic_bytes_per_rank"] == 3000  # forward AG + RS, 1500 each
+    # the gathered weights stay: the whole bf16 model (2000 B) less the rank's own shard (500 B)
+    assert r["transient_bytes_per_rank"]["weights_kept_for_backward"] == 1500
+    assert r["transient_bytes_per_rank"]["gathered_weights"] == 2 * 100 * 2  # current + prefetched layer
+
+
+# ---- the fact sheet ---------------------------------------------------------------------------------
+
+
+def test_fact_sheet_30b_on_256():
+    r = plan(30e9, 256, "zero3", tokens_per_rank=16384, link_gbytes=50, peak_tflops=989, mfu=0.4)
+    assert r["static_bytes_total"] == 480_000_000_000  # 30e9 x 16 B
+    assert r["state_bytes_per_rank"] == 1_875_000_000  # / 256
+    # three ring passes over the 60 GB bf16 model, each 255/256 of it
+    assert r["traffic_bytes_per_rank"] == 3 * 255 * 60_000_000_000 // 256 == 179_296_875_000
+    assert r["traffic_bytes_per_rank_large_n"] == 180_000_000_000  # the sheet's "3 x 2N = 6N"
+    assert r["traffic_bytes_by_link"]["inter_node"] == r["traffic_bytes_per_rank"]
+    assert r["comm_time_s"] == pytest.approx(179.296875 / 50)  # ~3.6 s
+    assert round(r["comm_time_s"], 1) == 3.6
+    assert r["compute_time_s"] == pytest.approx(6 * 30e9 * 16384 / (989e12 * 0.4))
+    assert r["compute_time_s"] == pytest.approx(7.4548, abs=1e-4)  # the sheet's "~7.4 s"
+    assert r["comm_to_compute"] == pytest.approx(0.481, abs=1e-3)  # "about half"
+
+
+def test_fact_sheet_hsdp_512_in_groups_of_8():
+    h = plan(30e9, 512, "hsdp", group_size=8)
+    z3 = plan(30e9, 512, "zero3")
+    assert (h["group_size"], h["replica_groups"]) == (8, 64)
+    # per-rank state: 1/8 of the model's 480 GB, not 1/512
+    assert h["state_bytes_per_rank"] == 60_000_000_000
+    assert z3["state_bytes_per_rank"] == 937_500_000
+    assert h["state_bytes_per_rank"] == 64 * z3["state_bytes_per_rank"]
+    assert h["state_fraction_per_rank"] == pytest.approx(1 / 8)
+    # "8x replicated" made precise: each group of 8 holds one full copy, so the cluster holds 64 copies
+    assert set(h["copies_in_cluster"].values()) == {64}
+    assert h["state_bytes_all_ranks"] == 64 * h["static_bytes_total"]
+    # NVLink carries three passes at 7/8 of 60 GB; the NIC carries the all-reduce of a 7.5 GB shard over 64 groups
+    by = h["traffic_bytes_by_collective"]
+    assert by["all_gather_forward"] == by["all_gather_backward"] == by["reduce_scatter"] == 52_500_000_000
+    assert by["all_reduce"] == 2 * 63 * 7_500_000_000 // 64 == 14_765_625_000
+    assert h["traffic_bytes_by_link"] == {"intra_node": 157_500_000_000, "inter_node": 14_765_625_000}
+    assert z3["traffic_bytes_by_link"]["inter_node"] == 3 * 511 * 60_000_000_000 // 512
+    assert h["comm_time_by_link_s"]["inter_node"] == pytest.approx(14.765625 / 50)
+
+
+# ---- properties ---------------------------------------------------------------------------------------
+
+SIZES = [(1000, 4), (30_000_000_000, 256), (7_500_000_000, 64), (123 * 8 * 7, 56)]
+
+
+@pytest.mark.parametrize("params, n", SIZES)
+def test_zero3_state_times_n_is_ddp_state(params, n):
+    assert (
+        plan(params, n, "zero3")["state_bytes_per_rank"] * n == plan(params, n, "ddp")["state_bytes_per_rank"]
+    )
+    assert plan(params, n, "ddp")["state_bytes_per_rank"] == plan(params, n)["static_bytes_total"]
+
+
+_SAME_KEYS = (
+    "state_bytes_per_rank",
+    "memory_bytes_per_rank",
+    "traffic_bytes_per_rank",
+    "traffic_bytes_by_collective",
+    "traffic_bytes_by_link",
+    "comm_time_s",
+    "exposed_comm_prefetch_s",
+    "exposed_comm_no_prefetch_s",
+    "step_time_s",
+)
+
+
+@pytest.mark.parametrize("params, n", SIZES)
+def test_hsdp_limits_are_zero3_and_ddp(params, n):
+    whole, single = plan(params, n, "hsdp", group_size=n), plan(params, n, "hsdp", group_size=1)
+    z3, ddp = plan(params, n, "zero3"), plan(params, n, "ddp")
+    for key in _SAME_KEYS:
+        assert whole[key] == z3[key], key
+        assert single[key] == ddp[key], key
+
+
+def test_state_per_rank_never_grows_with_sharding():
+    states = [plan(30e9, 64, s)["state_bytes_per_rank"] for s in ("ddp", "zero1", "zero2", "zero3")]
+    assert states == sorted(states, reverse=True) and len(set(states)) == 4
+
+
+def test_prefetch_hides_comm_only_when_compute_covers_it():
+    fact = plan(30e9, 256)
+    assert fact["exposed_comm_prefetch_s"] < 0.05 * fact["comm_time_s"]
+    # no prefetch: the two all-gathers are exposed, the reduce-scatter still overlaps backward
+    ag = sum(t["time_s"] for t in fact["traffic_terms"] if t["collective"] == "all_gather")
+    assert fact["exposed_comm_no_prefetch_s"] == pytest.approx(ag + fact["comm_time_s"] / 3 / 32)
+    slow = plan(30e9, 256, link_gbytes=5)  # 36 s of comm against 7.5 s of compute: most of it shows
+    assert slow["exposed_comm_prefetch_s"] > slow["comm_time_s"] - slow["compute_time_s"]
+    assert plan(30e9, 256, prefetch=False)["step_time_s"] > fact["step_time_s"]
+
+
+# ---- ZeRO++ ---------------------------------------------------------------------------------------------
+
+
+def test_zeropp_cuts_cross_node_volume_from_3m_to_0_75m():
+    base = plan(30e9, 256)
+    zpp = plan(30e9, 256, qwz=True, hpz=True, qgz=True)
+    m = 2 * 30e9 * 255 / 256  # the model in bf16, through one ring pass
+    assert base["traffic_bytes_by_link"]["inter_node"] == pytest.approx(3 * m)
+    assert zpp["traffic_bytes_by_link"]["inter_node"] == pytest.approx(0.75 * m)
+    by = zpp["traffic_bytes_by_collective"]
+    assert by["all_gather_forward"] == pytest.approx(0.5 * m)  # qwZ: int8 instead of bf16
+    assert by["reduce_scatter"] == pytest.approx(0.25 * m)  # qgZ: int4 instead of bf16
+    hpz = next(t for t in zpp["traffic_terms"] if t["key"] == "all_gather_backward")
+    assert (hpz["link"], hpz["group_size"]) == ("intra_node", 8)  # hpZ: inside the node
+    assert zpp["transient_bytes_per_rank"]["hpz_secondary_weights"] == 60_000_000_000 // 8
+    # one fp32 scale per 2048 elements costs 4/2048 B per element on the quantized collectives
+    scaled = plan(30e9, 256, qwz=True, hpz=True, qgz=True, quant_block_elems=2048)
+    extra = scaled["traffic_bytes_by_link"]["inter_node"] - zpp["traffic_bytes_by_link"]["inter_node"]
+    assert extra == pytest.approx(2 * 30e9 / 2048 * 4 * 255 / 256, rel=1e-6)
+
+
+# ---- offload -------------------------------------------------------------------------------------------
+
+
+def test_optimizer_offload_to_cpu_leaves_the_weights():
+    r = plan(1000, 4, offload_optimizer="cpu")
+    assert r["memory_bytes_per_rank"] == {"weights": 500, "grads": 0, "master": 0, "adam_m": 0, "adam_v": 0}
+    # the host holds master, m, v and an fp32 copy of the gradient shard: 16 B per sharded param
+    assert r["host_bytes_per_rank"] == {
+        "weights": 0,
+        "grads": 1000,
+        "master": 1000,
+        "adam_m": 1000,
+        "adam_v": 1000,
+    }
+    assert r["host_io_bytes_per_rank"] == 250 * 2 + 250 * 2  # gradient shard down, weight shard up
+
+
+def test_infinity_fits_70b_on_one_node():
+    r = plan(70e9, 8, offload_optimizer="nvme", offload_params="nvme", largest_layer_params=8192 * 28672)
+    assert r["state_bytes_per_rank"] == 0
+    assert r["nvme_bytes_total"] == 70e9 * (2 + 12)  # weights and optimizer state on NVMe
+    assert r["host_bytes_total"] == 70e9 * 4  # the fp32 gradient shards in host memory
+    assert r["gpu_bytes_per_rank"] < 2e9  # only gathered layers stay on the GPU
+    assert plan(70e9, 8)["state_bytes_per_rank"] == 140e9  # without offload: 140 GB per 80 GB GPU
+    # "at a fraction of the throughput": per rank per step, NVMe reads and writes back master, m, v
+    # (2 x 12 B x 8.75e9) and the weight shard (3 x 2 B x 8.75e9) at 5 GB/s; PCIe carries the gradient
+    # shard down, the weight shard up, and the weight shard up twice more for the all-gathers, at 25 GB/s
+    shard = 70e9 / 8
+    assert r["offload_time_s"] == pytest.approx(
+        (2 * 12 + 3 * 2) * shard / 5e9 + (2 + 2 + 2 * 2) * shard / 25e9
+    )
+    assert r["step_time_s"] > 3 * r["compute_time_s"]
+
+
+# ---- bad input ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, names",
+    [
+        ((0, 8), {}, "params"),
+        ((-5e9, 8), {}, "params"),
+        ((1e9, 0), {}, "world_size"),
+        ((1e9, 2.5), {}, "world_size"),
+        ((1e9, 256, "hsdp"), {"group_size": 3}, "group_size=3 does not divide world_size=256"),
+        ((1e9, 256, "zero4"), {}, "strategy 'zero4'"),
+        ((1e9, 8), {"mfu": 1.5}, "mfu"),
+        ((1e9, 8), {"precision": "int3"}, "precision"),
+        ((1e9, 8, "ddp"), {"offload_params": "cpu"}, "offload_params"),
+        ((1e9, 8, "hsdp"), {"qwz": True}, "qwz"),
+        ((1e9, 8, "ddp"), {"accounting": "deepspeed"}, "accounting"),
+    ],
+)
+def test_bad_input_is_one_sentence_naming_the_argument(args, kwargs, names):
+    with pytest.raises(ValueError) as e:
+        plan(*args, **kwargs)
+    message = str(e.value)
+    assert names in message
+    assert "\n" not in message and message.endswith(".")
+
+
+# ---- DeepSpeed's own accounting ----------------------------------------------------------------------
+
+LARGEST_7B = 4096 * 16384  # a 4h x h MLP matrix at h = 4096, the largest layer of a 7.5B GPT
+
+
+def test_deepspeed_accounting_7_5b_on_64():
+    ds = plan(7.5e9, 64, accounting="deepspeed", largest_layer_params=LARGEST_7B)
+    # 18 B/param over 64 GPUs + 4 B per parameter of the largest layer, printed in GiB
+    assert ds["state_bytes_per_rank"] == 18 * 7_500_000_000 // 64 + 4 * LARGEST_7B
+    assert f"{ds['state_gib_per_rank']:.2f}" == "2.21"
+    assert ds["paper_state_bytes_per_rank"] == 1_875_000_000  # the paper's 16 B/param rule, in GB
+    terms = ds["memory_bytes_per_rank"]
+    assert terms["grads_fp32"] == 4 * 7_500_000_000 // 64  # the term the paper does not have
+    assert "weights" not in terms  # and the 16-bit weight shard it does not count
+    assert terms["largest_layer_buffer"] == 4 * LARGEST_7B
+
+
+@pytest.mark.parametrize(
+    "stage, offload, offload_params, zero_init, nodes, per_node",
+    [
+        (3, False, False, True, 8, 8),
+        (3, True, False, True, 8, 8),
+        (3, True, True, True, 2, 8),
+        (3, True, True, False, 2, 8),
+        (3, False, False, False, 1, 4),
+        (2, False, False, True, 8, 8),
+        (2, True, False, True, 4, 8),
+    ],
+)
+def test_deepspeed_estimator_matches_deepspeed(stage, offload, offload_params, zero_init, nodes, per_node):
+    pytest.importorskip("deepspeed")
+    ours = budget.deepspeed_zero_estimate(
+        7_500_000_000, LARGEST_7B, stage=stage, num_gpus_per_node=per_node, num_nodes=nodes,
+        cpu_offload=offload, cpu_offload_params=offload_params, zero_init=zero_init,
+    )  # fmt: skip
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            7_500_000_000, LARGEST_7B, num_gpus_per_node=per_node, num_nodes=nodes,
+            cpu_offload=offload, cpu_offload_params=offload_params, zero_init=zero_init,
+        )  # fmt: skip
+    else:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        cpu, gpu = estimate_zero2_model_states_mem_needs(
+            7_500_000_000, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=offload
+        )
+    assert (ours["gpu_bytes_per_rank"], ours["cpu_bytes_per_node"]) == (gpu, cpu)
+
+
+# ---- pure and fast --------------------------------------------------------------------------------------
+
+
+def test_budget_module_imports_neither_torch_nor_numpy():
+    # labkit/__init__ imports torch, so load budget.py on its own, as a file, in a fresh interpreter.
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('b', {str(ROOT / 'labkit' / 'budget.py')!r})\n"
+        "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b)\n"
+        "b.plan(30e9, 256); b.plan(30e9, 512, 'hsdp', group_size=8)\n"
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    # and the CLI module imports only the standard library, labkit.budget and labkit.cli
+    tree = ast.parse((ROOT / "labkit" / "cli" / "budget.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported <= {"__future__", "argparse", "json", "re", "sys", "labkit", "labkit.cli"}
+
+
+def test_plan_is_fast():
+    calls = 1000
+    start = time.perf_counter()
+    for i in range(calls):
+        plan(1e9 + i, 256, ("zero3", "hsdp", "ddp")[i % 3], group_size=8)
+    elapsed = time.perf_counter() - start
+    print(f"plan(): {calls / elapsed:,.0f} calls/s")
+    assert elapsed < 2.0
+    assert math.isfinite(plan(1e12, 8192)["step_time_s"])

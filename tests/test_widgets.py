@@ -1,0 +1,97 @@
+"""labkit.widgets and the budget plots: live controls headless, and the static fallback a notebook keeps."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import nbformat  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from labkit import budget, plots, widgets  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def calc():
+    return widgets.budget_calculator(30e9, 256, "zero3")
+
+
+def test_starts_on_the_plan_it_was_given(calc):
+    assert calc.result == budget.plan(30e9, 256, "zero3")
+    assert calc.image.value[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "1.875 GB" in calc.table.value and "480 GB" in calc.table.value
+
+
+def test_moving_a_slider_redraws_figure_and_table(calc):
+    before_png, before_table = calc.image.value, calc.table.value
+    calc.controls["world_size"].value = 512
+    assert calc.result["state_bytes_per_rank"] == 937_500_000
+    assert calc.image.value != before_png and calc.table.value != before_table
+    assert "937.5 MB" in calc.table.value
+    calc.controls["params"].value = 7.5e9
+    assert calc.result["params"] == 7_500_000_000
+
+
+def test_hsdp_offers_divisors_and_defaults_to_a_node(calc):
+    calc.controls["world_size"].value = 512
+    calc.controls["strategy"].value = "hsdp"
+    assert calc.controls["group_size"].value == 8
+    assert 3 not in calc.controls["group_size"].options and 64 in calc.controls["group_size"].options
+    assert calc.result["group_size"] == 8 and calc.result["replica_groups"] == 64
+    calc.controls["group_size"].value = 64
+    assert calc.result["state_bytes_per_rank"] == calc.result["static_bytes_total"] // 64
+    calc.controls["strategy"].value = "zero3"
+    assert calc.result["group_size"] == 512  # the group control only applies to hsdp
+
+
+def test_an_impossible_combination_shows_the_sentence_and_keeps_the_last_plan(calc):
+    calc.controls["strategy"].value = "zero3"
+    good = calc.result
+    calc.controls["strategy"].value = "ddp"
+    calc.controls["offload_params"].value = "cpu"
+    assert "offload_params needs sharded weights" in calc.error.value
+    calc.controls["offload_params"].value = "none"
+    assert calc.error.value == "" and calc.result["strategy"] == "ddp" and calc.result is not good
+
+
+def test_display_bundle_has_widget_view_and_static_fallback(calc):
+    bundle = calc._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert "data:image/png;base64," in bundle["text/html"] and "<table" in bundle["text/html"]
+    static = widgets.budget_calculator(1e9, 8, static=True)._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" not in static
+    assert static["image/png"][:4] == b"\x89PNG" and "<table" in static["text/html"]
+
+
+def test_plots_are_figures_with_one_segment_per_term():
+    results = [budget.plan(30e9, 256, s) for s in ("ddp", "zero1", "zero3")]
+    fig = plots.memory_bars(results)
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(budget.MEMORY_TERMS)
+    heights = [p.get_height() for p in ax.patches]
+    assert len(heights) == 5 * 3  # five terms stacked on three bars
+    assert sum(heights[0::3]) == pytest.approx(480)  # the ddp bar: the whole state, in GB
+    t = plots.time_bars(budget.plan(30e9, 256))
+    widths = [p.get_width() for p in t.axes[0].patches]
+    assert widths[0] == pytest.approx(budget.plan(30e9, 256)["compute_time_s"])
+    assert len(plots.figure_png(t)) > 1000
+
+
+@pytest.mark.timeout(300)
+def test_executed_notebook_keeps_a_static_figure(tmp_path):
+    """As papermill/nbconvert run it: a kernel with no front end, then the saved outputs."""
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "from labkit.widgets import budget_calculator\nbudget_calculator(30e9, 256)"
+        )
+    ]
+    nbclient.NotebookClient(
+        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    data = [o for o in nb.cells[0].outputs if o.output_type in ("display_data", "execute_result")][0]["data"]
+    assert "data:image/png;base64," in data["text/html"] and "1.875 GB" in data["text/html"]
