@@ -1,0 +1,17 @@
+"""ZeRO-3 from scratch, in one sentence: every rank keeps 1/n of each weight, gradient and optimizer state;
+a unit's weights are all-gathered just before its forward and again before its backward, and its gradients
+are reduce-scattered back into the shards as soon as they exist.
+
+    sharding.py   how a parameter (FSDP2 way) or a block (FSDP1 way) is cut into n shards
+    unit.py       one unit's shards, full buffers and its coalesced all-gather / reduce-scatter
+    hooks.py      the four moments (before_forward, after_forward, before_backward, after_grad)
+    prefetch.py   the next unit's all-gather in flight while this one computes
+    optimizer.py  AdamW on the shards, optionally with its state offloaded to host memory
+    checkpoint.py save the shards of every rank, load them back at any world size
+    comm.py       the two collectives, the only place that talks to torch.distributed
+"""
+
+from labkit.zero.hooks import ZeRO3
+from labkit.zero.optimizer import ShardedAdamW
+
+__all__ = ["ZeRO3", "ShardedAdamW"]
