@@ -1,10 +1,21 @@
 """labkit: a teaching lab for fully sharded data parallelism (ZeRO-3), measured live.
 
 `labkit.launch(fn, world_size)` starts ranks from a notebook cell; `labkit.model.build_model()` builds the
-lab's model; the engines, probes and budget arithmetic live in their own modules.
+lab's model; the engines, probes and budget arithmetic live in their own modules. Importing `labkit`
+itself is cheap: torch is imported only when something that needs it is used (`labkit.budget` never does).
 """
 
-from labkit.cluster import LaunchError, LaunchTimeout, launch
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["launch", "LaunchError", "LaunchTimeout"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from labkit import cluster
+
+        return getattr(cluster, name)
+    raise AttributeError(f"module 'labkit' has no attribute {name!r}")

@@ -249,7 +249,9 @@ class _Run:
             else f"exited with status {failure.exitcode}"
         )
         log = _tail_text(os.path.join(self.dir, f"rank{rank}.log"))
-        return LaunchError(f"rank {rank} {how} before returning" + (f"; its last output:\n{log}" if log else ""), rank)
+        return LaunchError(
+            f"rank {rank} {how} before returning" + (f"; its last output:\n{log}" if log else ""), rank
+        )
 
     def _what_ranks_are_doing(self, pc) -> tuple[dict[int, str], dict[int, str]]:
         """Ask each live rank to dump its stacks (faulthandler on SIGUSR1) and read its last collective."""
@@ -311,8 +313,12 @@ def _rank_main(payload: bytes | tuple, run_dir: str, backend: str) -> bytes:
     stack_file = open(os.path.join(run_dir, f"stack{rank}.txt"), "w")  # noqa: SIM115 (kept open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
     _track_collectives(os.path.join(run_dir, f"status{rank}"))
-    cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // world_size))
+    # A forked rank must not use the OpenMP pool it inherited from a parent that computed (libgomp is
+    # not fork-safe: the first parallel region can hang), so forked ranks run one intra-op thread.
+    if isinstance(payload, tuple):
+        torch.set_num_threads(1)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -399,7 +405,9 @@ def _user_frame(stack_dump: str) -> str:
     frames = list(_FRAME.finditer(block))  # most recent call first
     for i, m in enumerate(frames):
         if f"{os.sep}torch{os.sep}" not in m["file"] and m["file"] != __file__:
-            inside = f" (inside torch's {frames[0]['func']})" if i > 0 and "torch" in frames[0]["file"] else ""
+            inside = (
+                f" (inside torch's {frames[0]['func']})" if i > 0 and "torch" in frames[0]["file"] else ""
+            )
             return f"{m['file']}:{m['line']} in {m['func']}{inside}"
     return ""
 
@@ -445,7 +453,9 @@ def _available_memory_bytes() -> int:
         return 8 * 2**30
 
 
-_HANDLED_SIGNALS = [getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, s)]
+_HANDLED_SIGNALS = [
+    getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, s)
+]
 
 
 def _signal_handlers() -> dict:

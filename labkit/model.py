@@ -35,7 +35,9 @@ CONFIGS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=192, d_model=96, n_heads=4, n_layers=4, seq_len=48, global_batch=12),
     # Deliberately uneven: 101, 50, 150, 200 and 17 do not divide by 3 or 4 (101 and 17 by nothing),
     # so sharding must pad. Used by the padding lessons and the uneven-shape tests.
-    "tiny_uneven": ModelConfig(vocab_size=101, d_model=50, n_heads=5, n_layers=3, seq_len=17, global_batch=12),
+    "tiny_uneven": ModelConfig(
+        vocab_size=101, d_model=50, n_heads=5, n_layers=3, seq_len=17, global_batch=12
+    ),
     # For benchmarks: about 14M parameters.
     "small": ModelConfig(vocab_size=4096, d_model=384, n_heads=6, n_layers=6, seq_len=96, global_batch=12),
 }

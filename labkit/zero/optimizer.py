@@ -45,7 +45,7 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        """One AdamW update of every shard; then the gradients are cleared."""
+        """One AdamW update of every shard (the next reduce-scatter overwrites the gradients)."""
         self.step_count += 1
         b1, b2 = self.betas
         bias1 = 1 - b1**self.step_count
@@ -62,7 +62,6 @@ class ShardedAdamW:
             p.addcdiv_(m, denom, value=-self.lr / bias1)
             if self.offload:
                 shard.copy_(p)
-            shard.grad = None
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The optimizer's own tensors: m and v, plus the host master copy and gradient buffer if offloaded."""
@@ -74,7 +73,9 @@ class ShardedAdamW:
 
     def load_state_dict(self, state: dict) -> None:
         self.step_count = state["step"]
-        for dst, src in zip(self.exp_avg + self.exp_avg_sq, state["exp_avg"] + state["exp_avg_sq"], strict=True):
+        for dst, src in zip(
+            self.exp_avg + self.exp_avg_sq, state["exp_avg"] + state["exp_avg_sq"], strict=True
+        ):
             dst.copy_(src)
         if self.offload:
             for master, shard in zip(self.master, self.shards, strict=True):

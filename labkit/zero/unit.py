@@ -5,7 +5,7 @@ Each parameter keeps three things:
     full        a persistent padded buffer (n*k x trailing shape) in the compute dtype; the module's
                 parameter is a view of its first d0 rows. Freeing it resizes its storage to 0 bytes and
                 gathering resizes it back, so views autograd saved in forward stay valid for backward.
-    shard.grad  this rank's rows of the summed-and-averaged gradient, float32
+    shard.grad  this rank's rows of the mean gradient, float32: a view of the unit's `grad_shard`
 
 Communication is coalesced per unit: the shards are copied into one send buffer, one all-gather fills a
 receive buffer laid out rank after rank, and each parameter's rows are copied out of it. The gradients go
@@ -61,11 +61,15 @@ class ShardedUnit:
             self.params.append(ShardedParam(pname, p, full, shard, p.shape[0], rows, offset))
             offset += shard.numel()
         self.chunk_numel = offset  # elements this rank contributes to each all-gather
+        # The gradient shard is persistent state (4 B/param / n in float32): the reduce-scatter writes
+        # into it every step and each shard's `.grad` is a view of it.
+        self.grad_shard = torch.zeros(offset, dtype=torch.float32, device=self.params[0].shard.device)
+        for sp in self.params:
+            sp.shard.grad = self.grad_shard[sp.offset : sp.offset + sp.shard_numel].view_as(sp.shard)
         self.gathered = True  # the full buffers hold real weights until the first free()
         self._gather_work = None
         self._recv = None
         self._scatter_work = None
-        self._scatter_out = None
         self._scatter_send = None
         self.free()
 
@@ -115,20 +119,17 @@ class ShardedUnit:
             padded[: sp.d0] = grad
             send[:, sp.offset : sp.offset + sp.shard_numel] = padded.view(n, -1)
             sp.param.grad = None
-        self._scatter_out = torch.empty(self.chunk_numel, dtype=torch.float32, device=send.device)
-        self._scatter_work = comm.reduce_scatter(self._scatter_out, send.view(-1), self.group, async_op)
+        self._scatter_work = comm.reduce_scatter(self.grad_shard, send.view(-1), self.group, async_op)
         self._scatter_send = send  # kept alive until the collective completes
 
     def finish_reduce_scatter(self) -> None:
-        """Wait for the reduce-scatter and store the mean gradient in each `shard.grad`."""
-        if self._scatter_out is None:
+        """Wait for the reduce-scatter; the gradient shard then holds the sum, divided here into the mean."""
+        if self._scatter_send is None:
             return
         if self._scatter_work is not None:
             self._scatter_work.wait()
-        mean = self._scatter_out.div_(self.world_size)
-        for sp in self.params:
-            sp.shard.grad = mean[sp.offset : sp.offset + sp.shard_numel].view_as(sp.shard)
-        self._scatter_out = self._scatter_work = self._scatter_send = None
+        self.grad_shard.div_(self.world_size)
+        self._scatter_work = self._scatter_send = None
 
     def shards(self) -> list[torch.Tensor]:
         return [sp.shard for sp in self.params]

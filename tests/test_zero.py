@@ -1,0 +1,223 @@
+"""The from-scratch ZeRO-3 against the single-process oracle: losses, layouts, hooks, state, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from engine_helpers import reference_losses, train
+from torch import nn
+
+import labkit
+from labkit import budget
+from labkit.engines import scratch
+from labkit.engines.base import RunConfig
+from labkit.engines.loop import rank_info
+from labkit.model import batch, build_model, count_params, loss_fn
+from labkit.probes import state_bytes
+from labkit.zero import ShardedAdamW, ZeRO3, checkpoint
+from labkit.zero.sharding import (
+    dim0_layout,
+    dim0_rows,
+    flat_layout,
+    padding_elements,
+    shard_dim0,
+    unshard_dim0,
+)
+
+VARIANTS = [  # (prefetch, offload, reshard_after_forward)
+    (True, "none", True),
+    (False, "none", True),
+    (True, "cpu", True),
+    (False, "cpu", False),
+]
+
+
+# ------------------------------------------------------------------------------------------ sharding
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(7,), (10, 3), (101, 50), (12, 4, 2)])
+def test_dim0_shards_pad_to_a_multiple_of_n_and_rebuild_the_tensor(n, shape):
+    full = torch.randn(shape)
+    shards = [shard_dim0(full, r, n) for r in range(n)]
+    rows, padded = dim0_rows(shape[0], n)
+    assert all(s.shape == (rows, *shape[1:]) for s in shards)
+    assert padded % n == 0 and padded - shape[0] < n
+    assert torch.equal(unshard_dim0(shards, shape[0]), full)
+    assert torch.count_nonzero(torch.cat(shards)[shape[0] :]) == 0
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_both_layouts_cover_every_element_once_and_pad_as_the_budget_says(n):
+    block = build_model("tiny_uneven").blocks[0]
+    numel = sum(p.numel() for p in block.parameters())
+    per_param, flat = dim0_layout(block, n), flat_layout(block, n)
+    for layout in (per_param, flat):
+        real = {}
+        for seg in layout:
+            if not seg.padding:
+                real[seg.param] = real.get(seg.param, 0) + seg.stop - seg.start
+        assert real == {name: p.numel() for name, p in block.named_parameters()}
+    expected_dim0 = sum(budget.padded_numel(tuple(p.shape), n) for p in block.parameters())
+    assert padding_elements(per_param) == expected_dim0 - numel
+    assert padding_elements(flat) == budget.padded_flat_numel(numel, n) - numel
+    assert padding_elements(flat) < n and padding_elements(flat) <= padding_elements(per_param)
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def _train_variants(cfg: RunConfig) -> list[list[float]]:
+    out = []
+    for prefetch, offload, raf in VARIANTS:
+        run_cfg = RunConfig(**{**cfg.to_dict(), "prefetch": prefetch, "offload": offload,
+                               "reshard_after_forward": raf})  # fmt: skip
+        engine = scratch.build(run_cfg, build_model(cfg.model, cfg.seed), rank_info())
+        out.append(train(engine, run_cfg))
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_uneven"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_losses_match_single_with_prefetch_and_offload_on_and_off(model, n):
+    cfg = RunConfig(model=model, world_size=n, steps=10)
+    reference = reference_losses(cfg)
+    for _ in range(2):  # twice: a race would show up as a difference between runs
+        variants = labkit.launch(_train_variants, n, cfg)[0]
+        for (prefetch, offload, raf), losses in zip(VARIANTS, variants, strict=True):
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+            assert rel < 1e-4, (prefetch, offload, raf, rel)
+
+
+def _bf16_losses(cfg: RunConfig) -> list[float]:
+    return train(scratch.build(cfg, build_model(cfg.model, cfg.seed), rank_info()), cfg)
+
+
+def test_bfloat16_compute_stays_within_two_percent_of_float32():
+    cfg = RunConfig(model="tiny", world_size=2, steps=6, dtype="bfloat16")
+    losses = labkit.launch(_bf16_losses, 2, cfg)[0]
+    reference = reference_losses(cfg)
+    assert max(abs(a - b) / b for a, b in zip(losses, reference, strict=True)) < 2e-2
+    assert losses[-1] < losses[0]
+
+
+# ------------------------------------------------------------------------------------------ hooks
+
+
+def _hook_trace(prefetch: bool):
+    trace = []
+    model = build_model("tiny")
+    zero = ZeRO3(model, prefetch=prefetch, trace=trace)
+    opt = ShardedAdamW(zero.shards())
+    gathers = []
+    original = labkit.zero.comm.dist.all_gather_single
+
+    def spy(out, inp, group=None, async_op=False):
+        gathers.append(async_op)
+        return original(out, inp, group=group, async_op=async_op)
+
+    labkit.zero.comm.dist.all_gather_single = spy
+    try:
+        for step in range(2):
+            tokens, targets = batch(step, "tiny", world_size=2, rank=dist.get_rank())
+            loss_fn(model(tokens), targets).backward()
+            zero.finish_backward()
+            opt.step()
+    finally:
+        labkit.zero.comm.dist.all_gather_single = original
+    return trace, gathers
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_hooks_fire_in_order_and_prefetch_makes_gathers_async(prefetch):
+    trace, gathers = labkit.launch(_hook_trace, 2, prefetch)[0]
+    step = trace[: len(trace) // 2]
+    units = ["root"] + [f"blocks.{i}" for i in range(4)]
+    assert [u for m, u in step if m == "before_forward"] == units
+    assert [u for m, u in step if m == "before_backward"] == ["root", *reversed(units[1:])]
+    assert [u for m, u in step if m == "after_grad"] == [*reversed(units[1:]), "root"]
+    for i in range(4):
+        b = f"blocks.{i}"
+        assert step.index(("before_forward", b)) < step.index(("after_forward", b))
+        assert step.index(("after_forward", b)) < step.index(("before_backward", b))
+        assert step.index(("before_backward", b)) < step.index(("after_grad", b))
+    per_step = len(gathers) // 2
+    assert per_step == 2 * len(units)  # every unit gathered before forward and again before backward
+    second = gathers[per_step:]
+    # step 1 knows the order: every gather but the root's first one is a prefetch (async) iff enabled
+    assert sum(second) == (2 * len(units) - 2 if prefetch else 0)
+
+
+# ------------------------------------------------------------------------------------------ state
+
+
+def _state_bytes(cfg: RunConfig) -> dict[str, int]:
+    engine = scratch.build(cfg, build_model(cfg.model), rank_info())
+    train(engine, cfg)
+    return state_bytes(engine.state_tensors())
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_state_bytes_per_rank_are_16_bytes_per_param_over_n_plus_padding(n):
+    cfg = RunConfig(model="tiny_uneven", world_size=n, steps=1)
+    states = labkit.launch(_state_bytes, n, cfg)
+    padded = sum(budget.padded_numel(tuple(p.shape), n) for p in build_model("tiny_uneven").parameters())
+    for state in states:
+        assert state["params"] == state["grads"] == 4 * padded // n
+        assert state["optimizer"] == 8 * padded // n
+    assert 16 * count_params(build_model("tiny_uneven")) / n < sum(states[0].values())
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def _train_save_resume(cfg: RunConfig, path: str, mode: str) -> list[float]:
+    engine = scratch.build(cfg, build_model(cfg.model), rank_info())
+    if mode == "save":
+        train(engine, cfg)
+        checkpoint.save(path, engine.zero, engine.optimizer)
+    else:
+        checkpoint.load(path, engine.zero, engine.optimizer)
+    return train(engine, cfg, first_step=cfg.steps)
+
+
+@pytest.mark.parametrize("resume_on", [4, 2, 3])
+def test_a_checkpoint_of_4_ranks_resumes_on_any_world_size(tmp_path, resume_on):
+    cfg = RunConfig(model="tiny_uneven", world_size=4, steps=3)
+    uninterrupted = labkit.launch(_train_save_resume, 4, cfg, str(tmp_path), "save")[0]
+    resumed = labkit.launch(_train_save_resume, resume_on, cfg, str(tmp_path), "load")[0]
+    if resume_on == 4:
+        assert resumed == uninterrupted  # bit for bit
+    else:
+        assert max(abs(a - b) / b for a, b in zip(resumed, uninterrupted, strict=True)) < 1e-5
+
+
+def _load_into(path: str, model_name: str):
+    cfg = RunConfig(model=model_name, world_size=2)
+    engine = scratch.build(cfg, build_model(model_name), rank_info())
+    checkpoint.load(path, engine.zero, engine.optimizer)
+
+
+def test_a_checkpoint_of_another_model_or_no_checkpoint_is_refused_in_one_sentence(tmp_path):
+    cfg = RunConfig(model="tiny", world_size=2, steps=1)
+    labkit.launch(_train_save_resume, 2, cfg, str(tmp_path / "ck"), "save")
+    with pytest.raises(labkit.LaunchError, match="is of another model"):
+        labkit.launch(_load_into, 2, str(tmp_path / "ck"), "tiny_uneven")
+    with pytest.raises(labkit.LaunchError, match="holds no labkit checkpoint"):
+        labkit.launch(_load_into, 2, str(tmp_path / "nothing"), "tiny")
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def _shard(module):
+    ZeRO3(module)
+
+
+def test_a_module_without_blocks_is_refused_and_one_rank_is_a_valid_degenerate_zero3():
+    with pytest.raises(labkit.LaunchError, match="has no `blocks` ModuleList to shard"):
+        labkit.launch(_shard, 2, nn.Linear(4, 4))
+    cfg = RunConfig(model="tiny", world_size=1, steps=4)
+    losses = labkit.launch(_bf16_losses, 1, cfg)[0]
+    assert max(abs(a - b) / b for a, b in zip(losses, reference_losses(cfg), strict=True)) < 1e-4
