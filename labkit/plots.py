@@ -9,7 +9,9 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping, Sequence
 
+import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from labkit.budget import MEMORY_TERMS
 
@@ -143,3 +145,95 @@ def _figure_and_axes(ax, figsize: Sequence[float]):
         return ax.figure, ax
     fig = Figure(figsize=tuple(figsize), layout="constrained")
     return fig, fig.add_subplot()
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+
+_SEGMENT_COLORS = tuple(matplotlib.colormaps["tab20"].colors)
+
+
+def layout_figure(dim0_segments, flat_segments, world_size: int, title: str = "") -> Figure:
+    """The same block cut two ways: FSDP2's per-parameter dim-0 shards (top) and FSDP1's flat buffer (bottom).
+
+    Each row is one rank's shard; each colour one parameter; hatched grey is padding (elements).
+    """
+    fig = Figure(figsize=(10, 1.2 + 0.55 * world_size * 2), layout="constrained")
+    axes = fig.subplots(2, 1)
+    names = list(dict.fromkeys(s.param for s in [*dim0_segments, *flat_segments] if not s.padding))
+    colour = {n: _SEGMENT_COLORS[i % len(_SEGMENT_COLORS)] for i, n in enumerate(names)}
+    flat_shard = max(s.stop for s in flat_segments) // world_size
+    rows = (
+        (axes[0], dim0_segments, 0, "FSDP2 / labkit: every parameter split on dim 0, padded per parameter"),
+        (axes[1], flat_segments, flat_shard, "FSDP1: the block flattened into one buffer, padded once"),
+    )
+    for ax, segments, shard_len, label in rows:
+        for s in segments:
+            start = s.start - s.rank * shard_len
+            style = {"color": "#DDDDDD", "hatch": "///"} if s.padding else {"color": colour[s.param]}
+            ax.barh(
+                s.rank, s.stop - s.start, left=start, height=0.8, edgecolor="white", linewidth=0.3, **style
+            )
+        ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)])
+        ax.invert_yaxis()
+        ax.set_xlabel("elements in this rank's shard")
+        ax.set_title(label, fontsize=10, loc="left")
+    handles = [Patch(color=colour[n], label=n) for n in names]
+    fig.legend(handles=handles, loc="outside right upper", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- timelines
+
+_KIND_STYLE = {
+    "compute": ("#4C72B0", 0.0, 0.45),
+    "comm": ("#DD8452", 0.45, 0.25),
+    "wait": ("#C44E52", 0.7, 0.2),
+}
+
+
+def gantt(timeline: Sequence[dict], *, ax=None, title: str | None = None, block_level: bool = True) -> Figure:
+    """Per-rank Gantt chart of a run's timeline (seconds): compute (blue), collectives in flight (orange),
+    the compute thread blocked on a collective (red, the exposed communication)."""
+    fig, ax = _figure_and_axes(ax, (10, 3.2))
+    ranks = sorted({e["rank"] for e in timeline})
+    t0 = min((e["start_s"] for e in timeline), default=0.0)
+    for e in timeline:
+        per_block = e["name"].startswith("blocks.")
+        if e["kind"] == "compute" and (
+            (block_level and e["name"] == "forward") or (not block_level and per_block)
+        ):
+            continue  # the forward phase is drawn block by block, or as one span
+        colour, offset, height = _KIND_STYLE.get(e["kind"], ("#999999", 0.9, 0.1))
+        ax.broken_barh([(e["start_s"] - t0, e["end_s"] - e["start_s"])], (e["rank"] + offset - 0.45, height),
+                       color=colour, edgecolor="none")  # fmt: skip
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    handles = [Patch(color=c, label=k) for k, (c, _, _) in _KIND_STYLE.items()]
+    ax.legend(handles=handles, loc="upper right", fontsize=8, ncols=3)
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def traffic_bars(comms: Mapping[str, Mapping], *, expected: Mapping[str, float] | None = None,
+                 ax=None, title: str | None = None) -> Figure:  # fmt: skip
+    """Wire bytes per rank per step by collective, one group of bars per engine (bytes); `expected`
+    draws the formula's figure for each collective as a black tick."""
+    fig, ax = _figure_and_axes(ax, (8, 3.2))
+    kinds = sorted({k for comm in comms.values() for k in comm})
+    width = 0.8 / max(1, len(comms))
+    for i, (engine, comm) in enumerate(comms.items()):
+        xs = [j + i * width for j in range(len(kinds))]
+        ax.bar(xs, [comm.get(k, {}).get("wire_bytes", 0) for k in kinds], width, label=engine)
+    for j, kind in enumerate(kinds):
+        if expected and kind in expected:
+            ax.hlines(expected[kind], j - width / 2, j + 0.8 - width / 2, color="black", linewidth=2)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], kinds)
+    ax.set_ylabel("wire bytes per rank per step")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    return fig

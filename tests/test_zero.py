@@ -12,7 +12,7 @@ import labkit
 from labkit import budget
 from labkit.engines import scratch
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import rank_info
+from labkit.engines.loop import rank_info, run
 from labkit.model import batch, build_model, count_params, loss_fn
 from labkit.probes import state_bytes
 from labkit.zero import ShardedAdamW, ZeRO3, checkpoint
@@ -221,3 +221,30 @@ def test_a_module_without_blocks_is_refused_and_one_rank_is_a_valid_degenerate_z
     cfg = RunConfig(model="tiny", world_size=1, steps=4)
     losses = labkit.launch(_bf16_losses, 1, cfg)[0]
     assert max(abs(a - b) / b for a, b in zip(losses, reference_losses(cfg), strict=True)) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------ bytes
+
+
+@pytest.mark.parametrize(
+    "model,n,dtype,reshard",
+    [
+        ("tiny_uneven", 3, "float32", True),
+        ("tiny", 4, "bfloat16", False),
+        ("tiny_uneven", 2, "float32", True),
+    ],
+)
+def test_measured_wire_bytes_are_the_formula_for_the_padded_model(model, n, dtype, reshard):
+    cfg = RunConfig(model=model, world_size=n, steps=2, dtype=dtype, reshard_after_forward=reshard)
+    comm = run("scratch", cfg)["comm"]
+    predicted = scratch.predicted_wire_bytes(build_model(model), cfg, n)
+    assert {k: v["wire_bytes"] for k, v in comm.items()} == predicted
+    units = 1 + len(build_model(model).blocks)
+    assert comm["all_gather"]["calls"] == (2 if reshard else 1) * units
+    assert comm["reduce_scatter"]["calls"] == units
+    if reshard and dtype == "float32":  # the statement: AG = 2 x (n-1)/n x padded bytes, RS = 1 x
+        padded_bytes = 4 * sum(
+            budget.padded_numel(tuple(p.shape), n) for p in build_model(model).parameters()
+        )
+        assert comm["all_gather"]["wire_bytes"] == 2 * (n - 1) * padded_bytes // n
+        assert comm["reduce_scatter"]["wire_bytes"] == (n - 1) * padded_bytes // n

@@ -1,7 +1,9 @@
-"""What every engine is: a `RunConfig` in, the same three-phase step on every rank, a `RunResult` out.
+"""What every engine is: a `RunConfig` in, the same three-phase step on every rank, the same result out.
 
-An engine only trains. It never measures itself: the shared training loop wraps its phases in the probes'
-spans and the probes count its collectives from outside, so every engine is measured the same way.
+`labkit.engines.loop` builds an engine on each rank with `build(cfg, model, rank_info)` and merges what the
+ranks measured into the per-engine record of the `labkit compare` contract. An engine only trains. It never
+measures itself: the shared loop wraps its phases in the probes' spans and the probes count its
+collectives from outside, so every engine is measured the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +37,22 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this rank runs, handed to `build`: its place in the default group and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device  # cpu for gloo ranks, cuda:<local_rank> for NCCL ranks
+    backend: str  # "gloo" or "nccl"
+
+
+def adamw(params, cfg: RunConfig) -> torch.optim.AdamW:
+    """`torch.optim.AdamW` with the run's hyper-parameters: the optimizer every engine must match."""
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 class Engine(Protocol):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from labkit.budget import collective_wire_bytes, padded_numel
 from labkit.engines.base import RankInfo, RunConfig
 from labkit.model import loss_fn
 from labkit.zero import ShardedAdamW, ZeRO3
@@ -56,6 +57,23 @@ class ScratchEngine:
         if self.optimizer.offload:
             state["host_optimizer"] = self.optimizer.state_tensors()
         return state
+
+
+def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
+    """Per rank per step, the all-gather and reduce-scatter wire bytes of the scratch engine (bytes).
+
+    Every unit (each block and the root) is gathered before its forward and, when it was resharded
+    after forward, again before its backward: 2 x (n-1)/n x its padded bytes in the compute dtype; its
+    gradients are reduce-scattered once in float32: (n-1)/n x padded elements x 4 B.
+    """
+    n = world_size
+    compute_bytes = DTYPES[cfg.dtype].itemsize
+    padded = sum(padded_numel(tuple(p.shape), n) for p in model.parameters())
+    gathers = 2 if cfg.reshard_after_forward else 1
+    return {
+        "all_gather": gathers * collective_wire_bytes("all_gather", padded * compute_bytes, n),
+        "reduce_scatter": collective_wire_bytes("reduce_scatter", padded * 4, n),
+    }
 
 
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> ScratchEngine:

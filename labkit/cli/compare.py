@@ -1,0 +1,171 @@
+"""`labkit compare`: train several engines on the same model, seed and batches; print a table, write JSON.
+
+The work is `labkit.engines.loop.compare`; this file parses flags, checks them (errors name the flag),
+prints one progress line per engine on stderr as it finishes, and the table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from labkit.cli import UsageError
+from labkit.engines.base import ENGINES
+
+
+def _engine_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"pass engine names separated by commas, from {','.join(ENGINES)}")
+    for name in names:
+        if name not in ENGINES:
+            raise argparse.ArgumentTypeError(f"unknown engine {name!r}; choose from {','.join(ENGINES)}")
+    return names
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass one of 1 or more") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; pass 1 or more")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number; pass a value above 0, e.g. 1.0"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not allowed; pass a value above 0, e.g. 1.0")
+    return value
+
+
+def register(subparsers) -> None:
+    """Add the `compare` command to the `labkit` parser."""
+    p = subparsers.add_parser(
+        "compare",
+        help="train engines side by side and measure them with the same probes",
+        description="Train the lab's model with several engines (same weights, batches and AdamW) and "
+        "measure each with the same probes: losses, step time, state and peak memory per rank, bytes per "
+        "collective. Bytes are decimal: 1 MB = 1e6 B.",
+    )
+    p.add_argument(
+        "--engines", type=_engine_list, default=["single", "ddp"], help=f"from {','.join(ENGINES)}"
+    )
+    p.add_argument("--world-size", type=_positive_int, default=2, help="ranks of the multi-rank engines")
+    p.add_argument("--steps", type=_positive_int, default=5)
+    p.add_argument("--model", default="tiny", help="a model of labkit.model.CONFIGS, e.g. tiny")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-prefetch", action="store_true", help="sharded engines: no all-gather ahead of use")
+    p.add_argument("--offload", choices=("none", "cpu"), default="none", help="optimizer state on the host")
+    p.add_argument(
+        "--link-gbytes", type=_positive_float, default=None, help="emulated link of X GB/s per rank"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--timeout", type=_positive_float, default=300.0, help="seconds per engine before giving up"
+    )
+    p.add_argument("--json", metavar="OUT", default=None, help="write the result as JSON to OUT")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from labkit.cluster import max_ranks
+    from labkit.engines import loop
+    from labkit.engines.base import RunConfig
+    from labkit.model import CONFIGS
+
+    if args.model not in CONFIGS:
+        raise UsageError(
+            f"labkit compare: --model {args.model!r} is unknown; choose from {', '.join(CONFIGS)}"
+        )
+    global_batch = CONFIGS[args.model].global_batch
+    if global_batch % args.world_size:
+        divisors = ", ".join(str(d) for d in range(1, global_batch + 1) if global_batch % d == 0)
+        raise UsageError(
+            f"labkit compare: --world-size {args.world_size} does not divide the global batch of "
+            f"{global_batch} sequences of model {args.model!r}; pass one of {divisors}"
+        )
+    limit = max_ranks()
+    if args.world_size > limit and any(e not in loop.SINGLE_RANK_ENGINES for e in args.engines):
+        raise UsageError(
+            f"labkit compare: --world-size {args.world_size} but this machine can run {limit} ranks; "
+            f"pass --world-size <= {limit}"
+        )
+    missing = [e for e in args.engines if e not in loop.available_engines()]
+    if missing:
+        raise UsageError(
+            f"labkit compare: --engines {missing[0]!r} is not implemented yet "
+            f"(no labkit/engines/{missing[0]}.py); available: {','.join(loop.available_engines())}"
+        )
+    cfg = RunConfig(
+        model=args.model,
+        world_size=args.world_size,
+        steps=args.steps,
+        dtype=args.dtype,
+        seed=args.seed,
+        prefetch=not args.no_prefetch,
+        offload=args.offload,
+        link_gbytes=args.link_gbytes,
+    )
+
+    def progress(name: str, record: dict, wall_s: float) -> None:
+        print(
+            f"labkit compare: {name} done in {wall_s:.1f} s, final loss {record['losses'][-1]:.6f}",
+            file=sys.stderr,
+        )
+
+    result = loop.compare(args.engines, cfg, timeout_s=args.timeout, on_result=progress)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def format_table(result: dict) -> str:
+    """The human table of a `compare` result: one row per engine."""
+    from labkit.budget import format_bytes
+
+    cfg = result["config"]
+    reference = result["engines"].get("single", {}).get("losses")
+    header = ("engine", "final loss", "max|d single|", "step ms", "state/rank", "all-gather", "reduce-scatter",
+              "all-reduce", "peak mem")  # fmt: skip
+    rows = [header]
+    for name, rec in result["engines"].items():
+        comm = rec["comm"]
+        wire = [
+            format_bytes(comm.get(k, {}).get("wire_bytes", 0))
+            for k in ("all_gather", "reduce_scatter", "all_reduce")
+        ]
+        diff = (
+            f"{max(abs(a - b) for a, b in zip(rec['losses'], reference, strict=True)):.2e}"
+            if reference
+            else "-"
+        )
+        rows.append((
+            name,
+            f"{rec['losses'][-1]:.6f}",
+            diff,
+            f"{statistics.median(rec['step_time_s']) * 1e3:.1f}",
+            format_bytes(sum(rec["state_bytes"].values())),
+            *wire,
+            format_bytes(max(rec["peak_mem_bytes"])),
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        f"model {cfg['model']} ({cfg['n_params']:,} params), world size {cfg['world_size']}, {cfg['steps']} steps, "
+        f"{cfg['dtype']}; wire bytes per rank in the last step (rank 0), peak mem = the largest rank's"
+    ]
+    lines += [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,213 @@
+"""The shared training loop: every engine is built, stepped and measured the same way on every rank.
+
+An engine is a module `labkit/engines/<name>.py` exposing
+
+    build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> Engine
+
+called on each rank inside an initialised default process group, with the lab's float32 CPU model
+(`build_model(cfg.model, cfg.seed)`) and `RankInfo` (rank, world size, device, backend). `build` may wrap,
+shard or move `model`, but must keep training the same `model.blocks[i]` objects (the loop hooks their
+forward for the timeline). The returned object follows `labkit.engines.base.Engine`. Engines are imported
+lazily by name (`ENGINES`), so `deepspeed` is imported only for the deepspeed engine. `single` runs on one
+rank with the global batch; every other engine on `cfg.world_size` ranks, each with its slice.
+
+Rank side (`train_rank`): install the probes -> build the engine -> barrier and zero the clocks -> per step:
+batch, forward / backward / optimizer spans, local loss, step time, comm of the step; then one more step
+for peak memory (`train_rank` says why). Nothing is
+communicated inside a measured step but the engine's own collectives (no loss all-reduce: the parent
+averages the ranks' local losses, which are means over equal slices).
+Parent side: `run(engine, cfg)` launches the ranks and merges them into the contract's per-engine record;
+`compare(engines, cfg)` runs several and adds the config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit.engines.base import ENGINES, Engine, RankInfo, RunConfig
+from labkit.model import batch, build_model, config, count_params
+from labkit.probes import Probes, state_bytes
+
+SINGLE_RANK_ENGINES = ("single",)  # run on one rank with the global batch
+TIMELINE_STEPS = 2  # the last steps whose events `run` keeps
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class EngineUnavailable(ValueError):
+    """An engine name that exists in the design but has no module in this checkout yet."""
+
+
+def engine_module_name(name: str) -> str:
+    return f"labkit.engines.{name}"
+
+
+def available_engines() -> list[str]:
+    """The engines of `ENGINES` whose module exists here (not imported)."""
+    return [n for n in ENGINES if importlib.util.find_spec(engine_module_name(n)) is not None]
+
+
+def ranks_for(engine: str, cfg: RunConfig) -> int:
+    """How many ranks `engine` runs on for `cfg` (ranks)."""
+    return 1 if engine in SINGLE_RANK_ENGINES else cfg.world_size
+
+
+def validate(engines: Sequence[str], cfg: RunConfig) -> None:
+    """Raise ValueError, one sentence naming the argument, for anything the run could not do."""
+    for name in engines:
+        if name not in ENGINES:
+            raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+        if importlib.util.find_spec(engine_module_name(name)) is None:
+            raise EngineUnavailable(
+                f"engine {name!r} is not implemented yet (no labkit/engines/{name}.py); "
+                f"available: {', '.join(available_engines())}"
+            )
+    model_cfg = config(cfg.model)
+    if not isinstance(cfg.world_size, int) or cfg.world_size < 1:
+        raise ValueError(f"world_size={cfg.world_size!r}: pass a whole number of ranks, 1 or more")
+    if model_cfg.global_batch % cfg.world_size:
+        divisors = [d for d in range(1, model_cfg.global_batch + 1) if model_cfg.global_batch % d == 0]
+        raise ValueError(
+            f"world_size={cfg.world_size} does not divide the global batch of {model_cfg.global_batch} "
+            f"sequences of model {cfg.model!r}; pass one of {', '.join(map(str, divisors))}"
+        )
+    if not isinstance(cfg.steps, int) or cfg.steps < 1:
+        raise ValueError(f"steps={cfg.steps!r}: pass 1 or more steps")
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={cfg.dtype!r}: pass 'float32' or 'bfloat16'")
+    if cfg.offload not in ("none", "cpu"):
+        raise ValueError(f"offload={cfg.offload!r}: pass 'none' or 'cpu'")
+    if cfg.link_gbytes is not None and not cfg.link_gbytes > 0:
+        raise ValueError(
+            f"link_gbytes={cfg.link_gbytes!r}: pass a bandwidth above 0 GB/s, or None for no link"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ rank
+
+
+def rank_info() -> RankInfo:
+    """This rank's place and device, from the initialised default group."""
+    backend = dist.get_backend()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
+    """Build `engine` on this rank, train `cfg.steps` timed steps under the probes, return what was measured.
+
+    Peak memory is measured in one more step after the timed ones (step `cfg.steps`, its own batch): the
+    CPU memory probe runs Python on every op (about 2x the step time of the tiny model), which must not
+    enter the step times or the timeline. That step trains too; nothing of it is reported but the peak.
+    """
+    info = rank_info()
+    # One intra-op thread per rank for every engine: the same compute per rank, so step times compare the
+    # algorithms, not thread counts; and no OpenMP pool, which hangs in a rank forked from a parent that
+    # had used one (a notebook that computed before launching).
+    torch.set_num_threads(1)
+    data_world_size, data_rank = (1, 0) if engine in SINGLE_RANK_ENGINES else (info.world_size, info.rank)
+    probes = Probes(info.rank, info.device)
+
+    def train_step(eng: Engine, step: int) -> float:
+        tokens, targets = batch(step, cfg.model, cfg.seed, data_world_size, data_rank)
+        tokens, targets = tokens.to(info.device), targets.to(info.device)
+        with probes.step(step):
+            with probes.span("compute", "forward"):
+                loss = eng.forward_loss(tokens, targets)
+            with probes.span("compute", "backward"):
+                eng.backward(loss)
+            with probes.span("compute", "optimizer"):
+                eng.optimizer_step()
+            if info.device.type == "cuda":
+                torch.cuda.synchronize(info.device)
+        return float(loss.detach().float().item())
+
+    with probes:
+        module = importlib.import_module(engine_module_name(engine))
+        model = build_model(cfg.model, cfg.seed)
+        eng = module.build(cfg, model, info)
+        probes.timeline.watch_blocks(model)  # after build: the engine's own block hooks run first
+        dist.barrier()  # outside a step: not counted
+        probes.comm.emulate_link(cfg.link_gbytes)
+        probes.timeline.reset_clock()
+        losses, step_times_s = [], []
+        for step in range(cfg.steps):
+            start_s = time.perf_counter()
+            losses.append(train_step(eng, step))
+            step_times_s.append(time.perf_counter() - start_s)
+        state = state_bytes(eng.state_tensors())
+        probes.memory.start(t for ts in eng.state_tensors().values() for t in ts)
+        train_step(eng, cfg.steps)
+        peak_mem_bytes = probes.memory.stop()
+    last = cfg.steps - 1
+    return {
+        "rank": info.rank,
+        "losses": losses,
+        "step_time_s": step_times_s,
+        "state_bytes": state,
+        "peak_mem_bytes": peak_mem_bytes,
+        "comm": [probes.comm.summary(step) for step in range(cfg.steps)],
+        "collective_calls": [c.to_dict() for c in probes.comm.calls if c.step == last],
+        "timeline": [e for e in probes.timeline.events if e["step"] is not None and e["step"] <= last],
+    }
+
+
+# ---------------------------------------------------------------------------------------------- parent
+
+
+def run(engine: str, cfg: RunConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Train `engine` under `cfg` and return its record of the `labkit compare` contract.
+
+    losses: the global mean loss per step (mean of the ranks' local means: the slices are equal);
+    step_time_s: the slowest rank's per step; state_bytes: rank 0's, after the last step;
+    peak_mem_bytes: per rank, over one step after the timed ones; comm: rank 0's collectives of the last step
+    (steady state: the first step may differ, e.g. DeepSpeed tracing its fetch order);
+    collective_calls: rank 0's calls of the last step, one by one, with their group;
+    timeline: every rank's events of the last `TIMELINE_STEPS` steps, seconds from the common zero
+    (a barrier before step 0).
+    """
+    validate([engine], cfg)
+    ranks = labkit.launch(train_rank, ranks_for(engine, cfg), engine, cfg, timeout=timeout_s)
+    first_kept = max(0, cfg.steps - TIMELINE_STEPS)
+    return {
+        "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(cfg.steps)],
+        "step_time_s": [max(r["step_time_s"][i] for r in ranks) for i in range(cfg.steps)],
+        "state_bytes": ranks[0]["state_bytes"],
+        "peak_mem_bytes": [r["peak_mem_bytes"] for r in ranks],
+        "comm": ranks[0]["comm"][-1],
+        "collective_calls": ranks[0]["collective_calls"],
+        "timeline": [e for r in ranks for e in r["timeline"] if e["step"] >= first_kept],
+    }
+
+
+def compare(
+    engines: Sequence[str],
+    cfg: RunConfig,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    on_result: Callable[[str, dict[str, Any], float], None] | None = None,
+) -> dict[str, Any]:
+    """Run each engine in turn; {"config": {..., "n_params"}, "engines": {name: record}}.
+
+    `on_result(name, record, wall_s)` is called as each engine finishes (progress for long runs).
+    """
+    validate(engines, cfg)
+    out = {
+        "config": {**cfg.to_dict(), "n_params": count_params(build_model(cfg.model, cfg.seed))},
+        "engines": {},
+    }
+    for name in engines:
+        start_s = time.perf_counter()
+        out["engines"][name] = run(name, cfg, timeout_s)
+        if on_result is not None:
+            on_result(name, out["engines"][name], time.perf_counter() - start_s)
+    return out

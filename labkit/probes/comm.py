@@ -1,0 +1,326 @@
+"""The comm counter and the emulated link: wrappers around `torch.distributed`'s collective functions.
+
+Every engine issues its collectives through these Python functions, so one wrapper sees them all: FSDP2
+calls `all_gather_single` / `reduce_scatter_single`, DeepSpeed the deprecated `all_gather_into_tensor` /
+`reduce_scatter_tensor` (which torch 2.13 implements by calling the new names), DDP `all_reduce` from its
+comm hook. A thread-local depth guard counts only the outermost call, so a deprecated name is counted once.
+
+What a call is charged (per rank):
+- `payload_bytes`: the full tensor of the collective: the gathered output of an all-gather, the
+  unreduced input of a reduce-scatter, the tensor of an all-reduce or broadcast, the input of an all-to-all.
+- `wire_bytes`: what this rank sends in a bandwidth-optimal ring over the call's group
+  (`labkit.budget.collective_wire_bytes`, with the group's size, not the world's). It is what the algorithm
+  needs, not what the backend happens to do: gloo, for one, runs a reduce-scatter as a full all-reduce
+  internally, and we still charge (n-1)/n. An all-to-all is charged every chunk but the one a rank keeps.
+- the group's size and global ranks, so subgroups (HSDP, hpZ) can be split into intra/inter-node bytes.
+
+Not seen: collectives issued from C++ without the Python functions (DDP's built-in all-reduce, which the
+ddp engine replaces with the equivalent Python comm hook; `torch.distributed._functional_collectives`,
+used by DTensor redistribution and tensor parallelism), object collectives (their inner tensor collectives
+are counted), point-to-point send/recv, and rooted reduce/gather/scatter. On GPU the times are host-side:
+a NCCL call returns once it is enqueued on its stream.
+
+The emulated link (`link_gbytes=X`, GB/s, 1 GB = 1e9 B) makes each collective last at least
+wire_bytes / X on a per-rank FIFO link: issued at t, it starts at max(t, link busy until) and completes
+wire_bytes / X later. A synchronous call sleeps until then after the real op; an async one returns at once
+and the remaining delay sits in its `Work.wait()` (and in its future), so a collective issued early is
+hidden behind compute, as on a real link.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from labkit.budget import collective_wire_bytes
+from labkit.probes.timeline import Timeline
+
+# function name -> (collective kind, the argument that holds the full payload)
+WRAPPED: dict[str, tuple[str, str]] = {
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "_all_gather_base": ("all_gather", "output_tensor"),
+    "all_gather": ("all_gather", "tensor_list"),
+    "all_gather_coalesced": ("all_gather", "output_tensor_lists"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "_reduce_scatter_base": ("reduce_scatter", "input"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+    "all_reduce": ("all_reduce", "tensor"),
+    "all_reduce_coalesced": ("all_reduce", "tensors"),
+    "broadcast": ("broadcast", "tensor"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "all_to_all": ("all_to_all", "input_tensor_list"),
+    "barrier": ("barrier", ""),
+}
+
+
+@dataclass
+class CollectiveCall:
+    """One outermost collective call on this rank. Bytes per rank; `group_ranks` are global ranks."""
+
+    function: str  # the torch.distributed function called, e.g. "all_gather_single"
+    kind: str  # "all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "barrier"
+    payload_bytes: int
+    wire_bytes: int
+    group_size: int
+    group_ranks: tuple[int, ...]
+    async_op: bool
+    step: int | None  # the loop's step when issued; None outside a step
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "function": self.function,
+            "kind": self.kind,
+            "payload_bytes": self.payload_bytes,
+            "wire_bytes": self.wire_bytes,
+            "group_size": self.group_size,
+            "group_ranks": list(self.group_ranks),
+            "async_op": self.async_op,
+        }
+
+
+class EmulatedLink:
+    """A per-rank FIFO link of `gbytes` GB/s (1 GB = 1e9 B). Times are `time.perf_counter()` seconds."""
+
+    def __init__(self, gbytes: float):
+        if not gbytes > 0:
+            raise ValueError(f"link_gbytes={gbytes!r}: pass a bandwidth above 0 GB/s, e.g. link_gbytes=1.0")
+        self.bytes_per_s = gbytes * 1e9
+        self.busy_until_s = 0.0
+        self._lock = threading.Lock()
+
+    def schedule(self, issue_s: float, wire_bytes: int) -> float:
+        """Queue a transfer issued at `issue_s`; return when it completes."""
+        with self._lock:
+            start_s = max(issue_s, self.busy_until_s)
+            self.busy_until_s = start_s + wire_bytes / self.bytes_per_s
+            return self.busy_until_s
+
+    def hold_until(self, end_s: float) -> None:
+        """A real op outlasted its modelled time: the link stays busy until it returned."""
+        with self._lock:
+            self.busy_until_s = max(self.busy_until_s, end_s)
+
+
+class CommProbe:
+    """Counts this rank's collectives, times them into `timeline`, and optionally emulates a link."""
+
+    def __init__(self, timeline: Timeline, link_gbytes: float | None = None):
+        self.timeline = timeline
+        self.calls: list[CollectiveCall] = []
+        self.link: EmulatedLink | None = None
+        self.emulate_link(link_gbytes)
+        self._saved: dict[str, tuple[Callable, Callable]] = {}
+        self._local = threading.local()
+        self._groups: dict[Any, tuple[int, tuple[int, ...], int]] = {}
+
+    def emulate_link(self, link_gbytes: float | None) -> None:
+        """Switch the emulated link on at `link_gbytes` GB/s, or off with None."""
+        self.link = None if link_gbytes is None else EmulatedLink(link_gbytes)
+
+    def install(self) -> None:
+        """Wrap the collective functions of `torch.distributed` and `distributed_c10d` (both attributes)."""
+        for name, (kind, payload_arg) in WRAPPED.items():
+            current = getattr(distributed_c10d, name, None)
+            if current is None or name in self._saved:
+                continue
+            self._saved[name] = (current, getattr(dist, name, current))
+            wrapper = self._wrap(name, kind, payload_arg, current)
+            setattr(distributed_c10d, name, wrapper)
+            if hasattr(dist, name):
+                setattr(dist, name, wrapper)
+
+    def uninstall(self) -> None:
+        for name, (c10d_fn, dist_fn) in self._saved.items():
+            setattr(distributed_c10d, name, c10d_fn)
+            if hasattr(dist, name):
+                setattr(dist, name, dist_fn)
+        self._saved.clear()
+
+    def summary(self, step: int | None = None) -> dict[str, dict[str, int]]:
+        """{kind: {"calls", "payload_bytes", "wire_bytes"}} over the calls of `step` (all calls if None)."""
+        out: dict[str, dict[str, int]] = {}
+        for call in self.calls:
+            if step is not None and call.step != step:
+                continue
+            row = out.setdefault(call.kind, {"calls": 0, "payload_bytes": 0, "wire_bytes": 0})
+            row["calls"] += 1
+            row["payload_bytes"] += call.payload_bytes
+            row["wire_bytes"] += call.wire_bytes
+        return out
+
+    # ------------------------------------------------------------------------------------------ wrapper
+
+    def _wrap(self, name: str, kind: str, payload_arg: str, original: Callable) -> Callable:
+        parameters = inspect.signature(original).parameters
+        names = list(parameters)
+        defaults = {k: p.default for k, p in parameters.items() if p.default is not inspect.Parameter.empty}
+
+        def probed(*args, **kwargs):
+            if getattr(self._local, "depth", 0):
+                return original(*args, **kwargs)  # an inner call of a counted one (an old name -> a new one)
+            arguments = {**defaults, **dict(zip(names, args, strict=False)), **kwargs}  # inspect.bind is slow
+            call = self._describe(name, kind, payload_arg, arguments)
+            if call is None:  # this rank is not in the group: torch warns and does nothing
+                return original(*args, **kwargs)
+            self.calls.append(call)
+            queued = call.async_op and _coalescing(arguments.get("group"))
+            issue_s = time.perf_counter()
+            self._local.depth = 1
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self._local.depth = 0
+            if queued:  # inside a coalescing manager the op runs at the manager's exit: bytes only
+                return out
+            if call.async_op and out is not None:
+                link_done_s = self.link.schedule(issue_s, call.wire_bytes) if self.link else None
+                return _ProbedWork(out, self.timeline, kind, issue_s, link_done_s)
+            returned_s = time.perf_counter()
+            if self.link:
+                done_s = self.link.schedule(issue_s, call.wire_bytes)
+                _sleep_until(done_s)
+                self.link.hold_until(returned_s)
+            end_s = time.perf_counter()
+            self.timeline.add_abs("comm", kind, issue_s, end_s)
+            self.timeline.add_abs("wait", kind, issue_s, end_s)
+            return out
+
+        probed.__wrapped__ = original
+        probed.__name__ = name
+        probed.__doc__ = original.__doc__
+        return probed
+
+    def _describe(self, name: str, kind: str, payload_arg: str, arguments: dict) -> CollectiveCall | None:
+        group = arguments.get("group") or dist.group.WORLD
+        if group not in self._groups:
+            group_rank = dist.get_rank(group)
+            ranks = tuple(dist.get_process_group_ranks(group)) if group_rank >= 0 else ()
+            self._groups[group] = (len(ranks), ranks, group_rank)
+        size, ranks, group_rank = self._groups[group]
+        if group_rank < 0:
+            return None
+        payload = _nbytes(arguments[payload_arg]) if payload_arg else 0
+        if kind == "all_to_all":
+            wire = payload - _kept_bytes(name, arguments, payload, size, group_rank)
+        elif kind == "barrier":
+            wire = 0
+        else:
+            wire = collective_wire_bytes(kind, payload, size)
+        return CollectiveCall(
+            name, kind, payload, wire, size, ranks, bool(arguments.get("async_op")), self.timeline.step
+        )
+
+
+class _ProbedWork(distributed_c10d.Work):
+    """The Work of an async collective, seen through the probe.
+
+    It subclasses `Work` because callers test `isinstance(work, Work)` before waiting (FSDP2 does). The
+    "comm" event runs from issue to completion (the real op done and the emulated link through); each
+    `wait()` adds a "wait" event: the time the calling thread was blocked, link delay included.
+    """
+
+    def __init__(self, inner, timeline: Timeline, kind: str, issue_s: float, link_done_s: float | None):
+        super().__init__()
+        self._inner = inner
+        self._timeline = timeline
+        self._kind = kind
+        self._issue_s = issue_s
+        self._link_done_s = link_done_s
+        self._recorded = False
+        self._lock = threading.Lock()
+        try:
+            future = inner.get_future()
+        except RuntimeError:  # a backend whose Work has no future: completion is seen at wait()
+            future = None
+        self._future = future
+        if future is not None:
+            future.add_done_callback(lambda _: self._record_comm(time.perf_counter()))
+
+    def _record_comm(self, real_done_s: float) -> None:
+        with self._lock:
+            if self._recorded:
+                return
+            self._recorded = True
+        end_s = max(real_done_s, self._link_done_s or 0.0)
+        self._timeline.add_abs("comm", self._kind, self._issue_s, end_s)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        start_s = time.perf_counter()
+        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        if self._link_done_s is not None:
+            _sleep_until(self._link_done_s)
+        end_s = time.perf_counter()
+        self._record_comm(end_s)
+        self._timeline.add_abs("wait", self._kind, start_s, end_s)
+        return ok
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None or self._link_done_s is None:
+            return self._inner.get_future()
+        link_done_s = self._link_done_s
+
+        def after_link(fut: torch.futures.Future):
+            _sleep_until(link_done_s)
+            return fut.value()
+
+        return self._future.then(after_link)
+
+    def is_completed(self) -> bool:
+        link_done = self._link_done_s is None or time.perf_counter() >= self._link_done_s
+        return self._inner.is_completed() and link_done
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self):
+        return self._inner.exception()
+
+    def result(self):
+        return self._inner.result()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+
+def _nbytes(value) -> int:
+    """Bytes of a tensor, or of every tensor in a (nested) list of them."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(_nbytes(v) for v in value)
+
+
+def _kept_bytes(name: str, arguments: dict, payload: int, size: int, group_rank: int) -> int:
+    """The chunk of an all-to-all's input that stays on this rank."""
+    if name == "all_to_all":
+        return _nbytes(arguments["input_tensor_list"][group_rank])
+    splits = arguments.get("input_split_sizes")
+    if not splits:
+        return payload // size
+    tensor = arguments["input"]
+    row_bytes = payload // tensor.shape[0] if tensor.shape[0] else 0
+    return splits[group_rank] * row_bytes
+
+
+def _coalescing(group) -> bool:
+    """True inside `distributed_c10d._coalescing_manager`, where calls are queued, not run."""
+    return (group or dist.group.WORLD) in distributed_c10d._world.pg_coalesce_state
+
+
+def _sleep_until(t_s: float) -> None:
+    remaining_s = t_s - time.perf_counter()
+    if remaining_s > 0:
+        time.sleep(remaining_s)

@@ -1,0 +1,149 @@
+"""State bytes and peak memory per rank, measured on the real tensors.
+
+`state_bytes(engine.state_tensors())` sums the storages behind an engine's params, grads and optimizer
+state (local shards only: a DTensor or other wrapper subclass counts its inner tensors). Views that share a
+storage are counted once, and a storage counts whole: a shard padded to ceil(rows/n) rows, or a flat
+buffer that several parameters view, costs what it really holds.
+
+`PeakMemory` measures the peak of live tensor bytes over the measured steps:
+- GPU: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats` (the caching allocator's own
+  count, device memory only: host-offloaded state is not in it).
+- CPU: live storages are tracked exactly. At `start`, the storages of every tensor Python can reach (after
+  a `gc.collect()`) plus the engine's state tensors (grads live in C++ until first touched) are live. Then
+  a `TorchDispatchMode` sees every op's outputs and adds each new storage (and any change of size of a
+  known one, which is how `resize_` and `set_` show); `UntypedStorage.resize_` (FSDP2 frees and re-allocates
+  its unsharded parameters that way) is watched too; a weak reference on each storage subtracts its bytes
+  the moment it is freed. Limits: scratch buffers an op allocates and frees inside itself (kernel
+  workspaces, gloo's internal buffers) and tensors created on other threads are not seen, so this is a
+  lower bound on allocator memory; bytes are allocated bytes, not resident pages (a 2 GB `torch.empty`
+  counts in full even if the OS has not backed it yet); the mode runs Python on every op (about 2x the
+  step time of the tiny model), which is why the loop measures peak memory in a step of its own.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+
+def storages(tensors: Iterable) -> Iterator[torch.UntypedStorage]:
+    """The storages behind `tensors` (None entries skipped; wrapper subclasses unwrapped; meta skipped)."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            inner_names, _ = t.__tensor_flatten__()
+            yield from storages(getattr(t, n) for n in inner_names)
+        elif t.device.type != "meta" and t.layout == torch.strided:
+            yield t.untyped_storage()
+
+
+def state_bytes(state: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Bytes per category ("params", "grads", "optimizer"), each storage counted once (first category)."""
+    seen: dict[int, torch.UntypedStorage] = {}  # holds the storages, so their ids stay unique
+    out = {}
+    for key in ("params", "grads", "optimizer"):
+        total = 0
+        for st in storages(state.get(key, [])):
+            if id(st) not in seen:
+                seen[id(st)] = st
+                total += st.nbytes()
+        out[key] = total
+    return out
+
+
+class PeakMemory:
+    """Peak live tensor bytes of this rank between `start()` and `stop()` (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start_bytes = 0  # live at `start` (CPU only; bytes)
+        self.peak_bytes = 0
+        self._tracker: _LiveStorages | None = None
+
+    def start(self, state_tensors: Iterable[torch.Tensor] = ()) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self._tracker = _LiveStorages()
+        gc.collect()
+        reachable = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]  # no __class__ lookups
+        self._tracker.add(storages(reachable))
+        self._tracker.add(storages(state_tensors))
+        del reachable
+        self.start_bytes = self._tracker.live_bytes
+        self._tracker.start()
+
+    def stop(self) -> int:
+        """Stop measuring; return the peak (bytes)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        elif self._tracker is not None:
+            self._tracker.stop()
+            self.peak_bytes = self._tracker.peak_bytes
+            self._tracker = None
+        return self.peak_bytes
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Live storage bytes, kept exact by weak references; `peak_bytes` is their maximum so far."""
+
+    def __init__(self):
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._nbytes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._lock = threading.Lock()
+        self._resize = None
+
+    def add(self, sts: Iterable[torch.UntypedStorage]) -> None:
+        for st in sts:
+            self._see(st)
+
+    def _see(self, st: torch.UntypedStorage) -> None:
+        key = id(st)
+        nbytes = st.nbytes()
+        with self._lock:
+            old = self._nbytes.get(key)
+            if old is None:
+                self._refs[key] = weakref.ref(st, lambda _, key=key: self._freed(key))
+                old = 0
+            self._nbytes[key] = nbytes
+            self.live_bytes += nbytes - old
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _freed(self, key: int) -> None:
+        with self._lock:
+            self.live_bytes -= self._nbytes.pop(key, 0)
+            self._refs.pop(key, None)
+
+    def start(self) -> None:
+        original = torch.UntypedStorage.resize_
+        self._resize = original
+        tracker = self
+
+        def resize_(storage, size):
+            out = original(storage, size)
+            tracker._see(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        self.__enter__()
+
+    def stop(self) -> None:
+        self.__exit__(None, None, None)
+        torch.UntypedStorage.resize_ = self._resize
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.add(storages(tree_leaves(out)))
+        return out

@@ -1,0 +1,188 @@
+"""The probes: bytes per collective against the ring formula (hand-issued collectives on 2, 3 and 4 ranks,
+odd sizes, subgroups), the emulated link and its overlap, the timeline, state bytes and CPU peak memory."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit.probes import PeakMemory, Probes, exposed_comm_s, state_bytes
+
+F32 = 4  # bytes per float32 element
+BF16 = 2
+
+
+def ring(kind: str, payload_bytes: int, n: int) -> int:
+    """The ring definition, written out here so the test does not trust the code under test."""
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * (n - 1) * payload_bytes // n
+
+
+def _issue_collectives() -> dict:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    probes = Probes(rank, torch.device("cpu"))
+    with probes:
+        dist.all_gather_single(torch.empty(7 * n), torch.ones(7))  # FSDP2's name
+        dist.all_gather_into_tensor(
+            torch.empty(7 * n, dtype=torch.bfloat16), torch.ones(7, dtype=torch.bfloat16)
+        )
+        dist.all_gather([torch.empty(3) for _ in range(n)], torch.ones(3))
+        dist.reduce_scatter_single(torch.empty(5), torch.ones(5 * n))
+        dist.reduce_scatter_tensor(torch.empty(5), torch.ones(5 * n))  # DeepSpeed's name, calls the new one
+        dist.all_reduce(torch.ones(13))
+        dist.all_reduce(torch.ones(13), async_op=True).wait()
+        dist.broadcast(torch.ones(11), src=0)
+        dist.barrier()
+    summed = torch.ones(13)
+    dist.all_reduce(summed)  # after uninstall: not counted
+    return {"summary": probes.comm.summary(), "functions": [c.function for c in probes.comm.calls],
+            "groups": {c.group_size for c in probes.comm.calls}, "events": probes.timeline.events}  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_bytes_per_collective_follow_the_ring_formula(n):
+    results = labkit.launch(_issue_collectives, n)
+    expected_payload = {
+        "all_gather": 7 * n * F32 + 7 * n * BF16 + 3 * n * F32,
+        "reduce_scatter": 2 * 5 * n * F32,
+        "all_reduce": 2 * 13 * F32,
+        "broadcast": 11 * F32,
+        "barrier": 0,
+    }
+    expected_wire = {
+        "all_gather": ring("all_gather", 7 * n * F32, n) + ring("all_gather", 7 * n * BF16, n)
+        + ring("all_gather", 3 * n * F32, n),
+        "reduce_scatter": 2 * ring("reduce_scatter", 5 * n * F32, n),
+        "all_reduce": 2 * ring("all_reduce", 13 * F32, n),
+        "broadcast": ring("broadcast", 11 * F32, n),
+        "barrier": 0,
+    }  # fmt: skip
+    calls = {"all_gather": 3, "reduce_scatter": 2, "all_reduce": 2, "broadcast": 1, "barrier": 1}
+    for r in results:
+        assert r["summary"] == {
+            k: {"calls": calls[k], "payload_bytes": expected_payload[k], "wire_bytes": expected_wire[k]}
+            for k in calls
+        }
+        # a deprecated name is counted once, under its own name, not again as the new one it calls
+        assert r["functions"] == ["all_gather_single", "all_gather_into_tensor", "all_gather",
+                                  "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "all_reduce",
+                                  "broadcast", "barrier"]  # fmt: skip
+        assert r["groups"] == {n}
+        kinds = {e["kind"] for e in r["events"]}
+        assert kinds == {"comm", "wait"}
+        assert sum(e["kind"] == "comm" for e in r["events"]) == len(r["functions"])
+
+
+def _subgroups() -> list:
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    odd = dist.new_group([0, 2, 3])
+    mine = pairs[rank // 2]
+    probes = Probes(rank, torch.device("cpu"))
+    with probes:
+        dist.all_gather_single(torch.empty(2 * 9), torch.ones(9), group=mine)
+        dist.all_reduce(torch.ones(10), group=odd)  # rank 1 is not in it: torch does nothing, nor do we
+    return [(c.kind, c.payload_bytes, c.wire_bytes, c.group_size, c.group_ranks) for c in probes.comm.calls]
+
+
+def test_subgroup_calls_use_the_group_size_and_record_its_ranks():
+    calls = labkit.launch(_subgroups, 4)
+    pair_ag = ("all_gather", 18 * F32, ring("all_gather", 18 * F32, 2), 2)
+    trio_ar = ("all_reduce", 10 * F32, ring("all_reduce", 10 * F32, 3), 3, (0, 2, 3))
+    assert calls[0] == [(*pair_ag, (0, 1)), trio_ar]
+    assert calls[1] == [(*pair_ag, (0, 1))]
+    assert calls[2] == [(*pair_ag, (2, 3)), trio_ar]
+    assert calls[3] == [(*pair_ag, (2, 3)), trio_ar]
+
+
+LINK_GBYTES = 0.01  # 1e7 B/s
+ELEMENTS = 250_000  # 1 MB of float32; on 2 ranks an all-reduce sends 2 x 1/2 x 1 MB = 1 MB: 0.1 s on the link
+
+
+def _link() -> dict:
+    rank = dist.get_rank()
+    probes = Probes(rank, torch.device("cpu"), link_gbytes=LINK_GBYTES)
+    out = {}
+    with probes:
+        start = time.perf_counter()
+        dist.all_reduce(torch.ones(ELEMENTS))
+        out["sync_s"] = time.perf_counter() - start
+
+        dist.barrier()
+        probes.timeline.step = 1
+        work = dist.all_reduce(torch.ones(ELEMENTS), async_op=True)
+        out["is_work"] = isinstance(work, dist.Work)
+        time.sleep(0.4)  # compute while the collective crosses the link
+        work.wait()
+        probes.timeline.step = None
+
+        dist.barrier()
+        start = time.perf_counter()
+        works = [dist.all_reduce(torch.ones(ELEMENTS), async_op=True) for _ in range(2)]
+        works[0].wait()
+        first_s = time.perf_counter() - start
+        works[1].get_future().wait()  # the link's delay sits in the future too
+        out["fifo_s"] = (first_s, time.perf_counter() - start)
+    events = probes.timeline.events
+    out["overlapped_exposed_s"] = exposed_comm_s([e for e in events if e["step"] == 1])
+    out["overlapped_comm_s"] = [
+        e["end_s"] - e["start_s"] for e in events if e["step"] == 1 and e["kind"] == "comm"
+    ]
+    out["sync_exposed_s"] = exposed_comm_s(events[:2])
+    out["wire_bytes"] = probes.comm.calls[0].wire_bytes
+    return out
+
+
+def test_emulated_link_delays_collectives_and_an_overlapped_one_exposes_almost_nothing():
+    link_s = ELEMENTS * F32 / (LINK_GBYTES * 1e9) - 1e-6  # minus float rounding of the event times
+    for r in labkit.launch(_link, 2):
+        assert r["wire_bytes"] == ELEMENTS * F32
+        assert r["sync_s"] >= link_s
+        assert r["sync_exposed_s"] >= link_s
+        assert r["is_work"]  # FSDP2 waits only on isinstance(work, Work)
+        assert r["overlapped_comm_s"][0] >= link_s  # in flight for at least the link time...
+        assert r["overlapped_exposed_s"] < 0.5 * link_s  # ...but hidden behind the 0.4 s of compute
+        first_s, both_s = r["fifo_s"]
+        assert first_s >= link_s and both_s >= 2 * link_s  # one link, first in first out
+
+
+def _dtensor_state() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    param = distribute_tensor(torch.ones(10, 4), mesh, [Shard(0)])
+    flat = torch.zeros(100)
+    return state_bytes({"params": [param], "grads": [flat[:50], flat[50:]], "optimizer": [flat[:10]]})
+
+
+def test_state_bytes_count_local_shards_and_shared_storage_once():
+    for r in labkit.launch(_dtensor_state, 2):
+        assert r == {"params": 5 * 4 * F32, "grads": 100 * F32, "optimizer": 0}
+
+
+def test_cpu_peak_memory_follows_live_storages_through_views_frees_and_resizes():
+    memory = PeakMemory(torch.device("cpu"))
+    memory.start()
+    x = torch.empty(1_000_000)
+    x.view(1000, 1000).add_(1)  # a view and an in-place op allocate nothing
+    del x
+    a, b = torch.zeros(500_000), torch.ones(500_000)
+    a.untyped_storage().resize_(0)  # how FSDP2 frees an unsharded parameter...
+    a.untyped_storage().resize_(8_000_000)  # ...and allocates it again
+    peak = memory.stop() - memory.start_bytes
+    assert peak == 8_000_000 + 500_000 * F32
+    del a, b
+
+
+def test_cpu_peak_memory_sees_backward():
+    linear = torch.nn.Linear(1000, 1000)
+    memory = PeakMemory(torch.device("cpu"))
+    memory.start()
+    linear(torch.randn(10, 1000)).sum().backward()
+    grads_bytes = sum(p.numel() * F32 for p in linear.parameters())
+    assert grads_bytes <= memory.stop() - memory.start_bytes < grads_bytes + 200_000
