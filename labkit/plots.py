@@ -140,6 +140,20 @@ def figure_png(fig: Figure, dpi: int = 90) -> bytes:
     return buf.getvalue()
 
 
+def _show_figures_in_notebooks() -> None:
+    """Let a bare `Figure` display as a PNG in IPython (pyplot's inline backend only knows its own)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None:
+        shell.display_formatter.formatters["image/png"].for_type(Figure, lambda fig: figure_png(fig, dpi=100))
+
+
+_show_figures_in_notebooks()
+
+
 def _figure_and_axes(ax, figsize: Sequence[float]):
     if ax is not None:
         return ax.figure, ax

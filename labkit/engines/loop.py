@@ -27,6 +27,7 @@ import importlib.util
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,6 +112,10 @@ def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
     enter the step times or the timeline. That step trains too; nothing of it is reported but the peak.
     """
     info = rank_info()
+    # DeepSpeed still calls torch.distributed's deprecated collective names; that is not the reader's concern.
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
+    )
     # One intra-op thread per rank for every engine: the same compute per rank, so step times compare the
     # algorithms, not thread counts; and no OpenMP pool, which hangs in a rank forked from a parent that
     # had used one (a notebook that computed before launching).

@@ -78,3 +78,27 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
 
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> ScratchEngine:
     return ScratchEngine(model, cfg, rank_info)
+
+
+def hook_trace(model_name: str = "tiny", steps: int = 2) -> list[tuple[int, str, str]]:
+    """On this rank, train `steps` scratch steps and return (step, moment, unit) for every hook that fired.
+
+    Run it under `labkit.launch`; the notebook on the scratch engine prints rank 0's list.
+    """
+    import torch.distributed as dist
+
+    from labkit.model import batch, build_model
+
+    trace: list = []
+    model = build_model(model_name)
+    zero = ZeRO3(model, trace=trace)
+    optimizer = ShardedAdamW(zero.shards())
+    out = []
+    for step in range(steps):
+        tokens, targets = batch(step, model_name, world_size=dist.get_world_size(), rank=dist.get_rank())
+        loss_fn(model(tokens), targets).backward()
+        zero.finish_backward()
+        optimizer.step()
+        out += [(step, moment, unit) for moment, unit in trace]
+        trace.clear()
+    return out
