@@ -1,0 +1,158 @@
+"""Side-by-side benchmarks of the engines: medians and ratios from one run, engines interleaved A B A B.
+
+    python benchmarks/run_all.py [--quick] [--out benchmarks/results.md]
+
+Every figure is a median over repetitions that alternate between the engines (after one warm-up step per
+run, which is dropped), so a machine that slows down during the run slows every engine alike. Absolute
+times depend on the machine; the ratios are what the targets of the performance issue are about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import labkit
+from labkit import budget
+from labkit.engines import scratch
+from labkit.engines.base import RankInfo, RunConfig
+from labkit.engines.loop import available_engines, run
+from labkit.model import batch, build_model, count_params
+from labkit.probes import exposed_comm_s
+
+TARGETS = {"scratch/fsdp2 small": 1.0, "scratch/fsdp2 tiny": 1.1, "exposed ratio": 0.25, "probe cost": 0.05}
+
+
+def median_step_s(record: dict) -> float:
+    return statistics.median(record["step_time_s"][1:])
+
+
+def step_times(engines: list[str], cfg: RunConfig, reps: int) -> dict[str, float]:
+    """Median step time (s) of each engine, the engines interleaved `reps` times."""
+    samples: dict[str, list[float]] = {e: [] for e in engines}
+    for _ in range(reps):
+        for engine in engines:
+            samples[engine].append(median_step_s(run(engine, cfg)))
+    return {e: statistics.median(s) for e, s in samples.items()}
+
+
+def exposed_comm(cfg: RunConfig, reps: int, comm_to_compute: float = 0.5) -> dict[str, float]:
+    """Exposed communication (s per step, rank 0) with prefetch off and on, the link set so that comm is
+    `comm_to_compute` x the step's compute."""
+    base = run("scratch", cfg)
+    wire = sum(v["wire_bytes"] for v in base["comm"].values())
+    link = wire / (comm_to_compute * median_step_s(base)) / 1e9
+    out: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(reps):
+        for label, prefetch in (("off", False), ("on", True)):
+            rec = run("scratch", RunConfig(**{**cfg.to_dict(), "link_gbytes": link, "prefetch": prefetch}))
+            last = cfg.steps - 1
+            out[label].append(exposed_comm_s([e for e in rec["timeline"] if e["step"] == last], 0))
+    return {"link_gbytes": link, **{k: statistics.median(v) for k, v in out.items()}}
+
+
+def _bare_scratch_steps(cfg: RunConfig) -> list[float]:
+    """The scratch engine timed with no probes installed (s per step)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    info = RankInfo(dist.get_rank(), dist.get_world_size(), 0, torch.device("cpu"), "gloo")
+    engine = scratch.build(cfg, build_model(cfg.model, cfg.seed), info)
+    times = []
+    for step in range(cfg.steps):
+        tokens, targets = batch(step, cfg.model, cfg.seed, info.world_size, info.rank)
+        start = time.perf_counter()
+        engine.backward(engine.forward_loss(tokens, targets))
+        engine.optimizer_step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def probe_cost(cfg: RunConfig, reps: int) -> dict[str, float]:
+    """Median step time (s) of the scratch engine with and without the probes, interleaved."""
+    probed, bare = [], []
+    for _ in range(reps):
+        probed.append(median_step_s(run("scratch", cfg)))
+        ranks = labkit.launch(_bare_scratch_steps, cfg.world_size, cfg)
+        bare.append(statistics.median(max(r[i] for r in ranks) for i in range(1, cfg.steps)))
+    return {"probed": statistics.median(probed), "bare": statistics.median(bare)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and configurations")
+    parser.add_argument("--out", default="benchmarks/results.md")
+    args = parser.parse_args(argv)
+    reps, steps = (2, 4) if args.quick else (3, 6)
+    engines = [e for e in ("scratch", "fsdp2", "deepspeed", "ddp") if e in available_engines()]
+    lines = [
+        f"# Benchmarks ({time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, CPU gloo)",
+        "",
+        "## Step time (median s per step; ratio to fsdp2)",
+        "",
+        "| model | ranks | dtype | " + " | ".join(engines) + " | scratch/fsdp2 |",
+        "|---|---|---|" + "---|" * len(engines) + "---|",
+    ]
+    configs = [("tiny", 4, "float32"), ("small", 4, "float32"), ("tiny", 2, "bfloat16")]
+    if not args.quick:
+        configs += [("tiny", 2, "float32"), ("small", 2, "float32"), ("tiny", 4, "bfloat16")]
+    ratios = {}
+    for model, n, dtype in configs:
+        cfg = RunConfig(model=model, world_size=n, steps=steps, dtype=dtype)
+        times = step_times(engines, cfg, reps)
+        ratio = times["scratch"] / times["fsdp2"] if "fsdp2" in times else float("nan")
+        ratios[(model, n, dtype)] = ratio
+        cells = " | ".join(f"{times[e]:.3f}" for e in engines)
+        lines.append(f"| {model} | {n} | {dtype} | {cells} | {ratio:.2f} |")
+        print(lines[-1], flush=True)
+
+    cfg = RunConfig(model="tiny", world_size=2, steps=steps)
+    exposed = exposed_comm(cfg, reps)
+    ratio = exposed["on"] / exposed["off"]
+    lines += ["", "## Exposed communication, scratch, tiny, 2 ranks, comm = 0.5 x compute", "",
+              f"emulated link {exposed['link_gbytes']:.4f} GB/s: exposed {exposed['off'] * 1e3:.1f} ms without "
+              f"prefetch, {exposed['on'] * 1e3:.1f} ms with: ratio {ratio:.2f} (target <= {TARGETS['exposed ratio']})"]  # fmt: skip
+    print(lines[-1], flush=True)
+
+    cfg = RunConfig(model="tiny", world_size=4, steps=steps)
+    record = run("scratch", cfg)
+    wire = {k: v["wire_bytes"] for k, v in record["comm"].items()}
+    formula = scratch.predicted_wire_bytes(build_model("tiny"), cfg, 4)
+    n_params = count_params(build_model("tiny"))
+    state = budget.plan(n_params, 4, "zero3", precision="fp32")["state_bytes_per_rank"]
+    lines += ["", "## Bytes and memory, scratch, tiny, 4 ranks", "",
+              *(f"- {k}: measured {wire[k]:,} B, formula {formula[k]:,} B, ratio {wire[k] / formula[k]:.4f}" for k in formula),
+              f"- peak memory per rank {max(record['peak_mem_bytes']):,} B (state per budget {state:,.0f} B; "
+              f"the rest is activations and gathered weights)"]  # fmt: skip
+
+    cost = probe_cost(RunConfig(model="tiny", world_size=4, steps=steps), reps)
+    overhead = cost["probed"] / cost["bare"] - 1
+    lines += ["", "## Cost of the probes, scratch, tiny, 4 ranks", "",
+              f"{cost['probed'] * 1e3:.1f} ms per step probed, {cost['bare'] * 1e3:.1f} ms bare: "
+              f"{overhead:+.1%} (target < {TARGETS['probe cost']:.0%})"]  # fmt: skip
+
+    lines += ["", "## Against the targets", ""]
+    for (model, n, dtype), r in ratios.items():
+        if dtype == "float32" and n == 4:
+            target = TARGETS[f"scratch/fsdp2 {model}"]
+            verdict = "met" if r <= target else f"missed by {r / target - 1:.0%}"
+            lines.append(
+                f"- scratch/fsdp2 on {model}, 4 ranks, fp32: {r:.2f} (target <= {target}): {verdict}"
+            )
+    lines.append(f"- exposed comm ratio {ratio:.2f} (target <= {TARGETS['exposed ratio']}): "
+                 f"{'met' if ratio <= TARGETS['exposed ratio'] else 'missed'}")  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
