@@ -1,0 +1,55 @@
+# labkit: `make lab` sets everything up and starts JupyterLab on notebooks/; `make test` sets up and tests.
+# The set-up runs once: a stamp in the venv remembers it until requirements.txt or pyproject.toml change.
+#   make lab PORT=8899 ARGS="--no-browser"    make test PYTEST_ARGS="-x tests/test_setup.py"
+
+PYTHON      ?= $(shell command -v python3.11 || command -v python3)
+VENV        ?= .venv
+PORT        ?= 8888
+ARGS        ?=
+PYTEST_ARGS ?=
+
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.labkit-setup
+# torch goes in first, alone, at the exact pin: asked for later, through another package, pip would pick a
+# different (multi-GB CUDA) build. The pin has one home, the first line of requirements.txt.
+TORCH  := $(shell sed -n 's/^\(torch==[^ ;#]*\).*/\1/p' requirements.txt)
+# Jupyter refuses to start as root unless told; containers and CI machines often run as root.
+ROOT   := $(if $(filter 0,$(shell id -u)),--allow-root)
+
+.PHONY: lab test lint setup prebuild doctor clean
+
+lab: setup
+	$(VENV)/bin/jupyter lab --notebook-dir notebooks --port $(PORT) $(ROOT) $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): requirements.txt pyproject.toml | $(PY)
+	$(PIP) install "$(TORCH)"
+	$(PIP) install -r requirements.txt
+	$(PIP) install --no-deps -e .
+	$(PY) -m labkit.prebuild
+	$(PY) -m ipykernel install --sys-prefix --name labkit --display-name "labkit (Python $$($(PY) -c 'import sys; print(*sys.version_info[:2], sep=".")'))"
+	touch $@
+
+# Rebuild DeepSpeed's CPU ops (after an interrupted build, or a torch upgrade); check the machine.
+prebuild: setup
+	$(PY) -m labkit.prebuild
+
+doctor: setup
+	$(VENV)/bin/labkit doctor
+
+# Forget the set-up (the next make redoes it) and the caches; the venv itself stays.
+clean:
+	rm -f $(STAMP)
+	rm -rf .pytest_cache .ruff_cache

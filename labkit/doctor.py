@@ -1,0 +1,250 @@
+"""Is this machine ready for the lab? `diagnose()` answers with a dict; `labkit doctor` prints it.
+
+It reads versions, devices, the backend and rank limit `labkit.launch` will use, whether DeepSpeed's CPU
+ops are built (by looking at their build folders, never by building them) and whether the `labkit`
+Jupyter kernel is registered, then runs one all-reduce on 2 ranks and times it. Each thing that is missing
+becomes one line of advice in `problems`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+KERNEL_NAME = "labkit"
+SMOKE_WORLD_SIZE = 2
+SMOKE_TIMEOUT_S = 60.0
+PACKAGES = ("deepspeed", "jupyterlab", "ipywidgets")  # besides python and torch
+SETUP_ADVICE = "run `make lab` (or `make test`) in the labkit checkout"
+
+
+def diagnose(smoke: bool = True) -> dict[str, Any]:
+    """Check this machine and return a JSON-ready dict; `problems` lists one line of advice per gap.
+
+    Keys: versions, pinned, devices, backend, max_ranks, max_ranks_by_device, deepspeed_ops, ninja,
+    kernel, smoke_test, problems, ok. `smoke=False` skips the 2-rank all-reduce (about 3 s on 2 cores).
+    """
+    import torch
+
+    from labkit import cluster
+
+    problems: list[str] = []
+    versions = _versions(torch.__version__)
+    pinned = _pins()
+    for name, version in versions.items():
+        if version is None:
+            problems.append(f"{name} is not installed: {SETUP_ADVICE}")
+        elif name in pinned and _release(version) != _release(pinned[name]):
+            problems.append(
+                f"{name} {version} is installed but requirements.txt pins {pinned[name]}: {SETUP_ADVICE}"
+            )
+
+    where = cluster.placement(SMOKE_WORLD_SIZE)
+    backend = {"world_size": SMOKE_WORLD_SIZE, "backend": where.backend, "device_type": where.device_type,
+               "start_method": where.start_method}  # fmt: skip
+    max_ranks = cluster.max_ranks()
+    by_device = {"cpu": cluster.max_ranks("cpu")}
+    if torch.cuda.is_available():
+        by_device["cuda"] = cluster.max_ranks("cuda")
+    if max(by_device.values()) < SMOKE_WORLD_SIZE:
+        problems.append(f"this machine can run only {max(by_device.values())} rank; the lab needs at least 2")
+
+    ops = _ops(problems)
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        problems.append(
+            "ninja is not on PATH, and DeepSpeed needs it to load its ops: activate the environment "
+            "(`source .venv/bin/activate`) or `pip install ninja`"
+        )
+    kernel = _kernel()
+    if not kernel["registered"]:
+        problems.append(
+            f"the Jupyter kernel `{KERNEL_NAME}` is not registered: {SETUP_ADVICE} "
+            f'(or `python -m ipykernel install --sys-prefix --name {KERNEL_NAME} --display-name "labkit"`)'
+        )
+
+    smoke_test = _smoke_test(problems) if smoke and max_ranks >= SMOKE_WORLD_SIZE else {"ran": False}
+    devices = _devices(torch)  # after the smoke test: naming GPUs initialises CUDA, which forbids fork
+    return {
+        "versions": versions,
+        "pinned": pinned,
+        "devices": devices,
+        "backend": backend,
+        "max_ranks": max_ranks,
+        "max_ranks_by_device": by_device,
+        "deepspeed_ops": ops,
+        "ninja": ninja,
+        "kernel": kernel,
+        "smoke_test": smoke_test,
+        "problems": problems,
+        "ok": not problems,
+    }
+
+
+def _versions(torch_version: str) -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version(), "torch": torch_version}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["labkit"] = importlib.metadata.version("labkit") if _installed("labkit") else None
+    return versions
+
+
+def _installed(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _pins() -> dict[str, str]:
+    """The `name==version` pins of the checkout's requirements.txt, if labkit runs from a checkout."""
+    path = Path(__file__).resolve().parents[1] / "requirements.txt"
+    pins = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if "==" in line:
+                name, version = line.split("==", 1)
+                if name.strip().lower() in ("torch", *PACKAGES):
+                    pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+def _release(version: str) -> str:
+    """`2.13.0+cpu` -> `2.13.0`: a CUDA and a CPU build of one release are the same pin."""
+    return version.split("+", 1)[0]
+
+
+def _ops(problems: list[str]) -> dict[str, Any]:
+    from labkit import prebuild
+
+    ext_dir = prebuild.extensions_dir()
+    statuses = [prebuild.op_status(name, ext_dir) for _, name in prebuild.CPU_OPS]
+    ops = {s.name: s.status for s in statuses}
+    not_built = [s.name for s in statuses if s.status in ("missing", "out of date")]
+    if not_built:
+        problems.append(
+            f"DeepSpeed CPU ops not built ({', '.join(not_built)}): run `make lab` or `python -m labkit.prebuild`"
+        )
+    for s in statuses:
+        if s.status == "interrupted":
+            problems.append(
+                f"an interrupted build of DeepSpeed op {s.name} left {s.build_dir}/lock, which makes the next "
+                "DeepSpeed run wait forever: run `python -m labkit.prebuild` (it removes the lock and rebuilds)"
+            )
+        elif s.status == "building":
+            problems.append(
+                f"DeepSpeed op {s.name} is being built now by process {s.lock_holders or '?'}: "
+                "wait for it to finish, then run `labkit doctor` again"
+            )
+    ready = all(status in ("built", "skipped") for status in ops.values())
+    return {"extensions_dir": ext_dir, "ops": ops, "ready": ready}
+
+
+def _kernel() -> dict[str, Any]:
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    except ImportError:
+        return {"name": KERNEL_NAME, "registered": False, "path": None, "python": None}
+    try:
+        spec = KernelSpecManager().get_kernel_spec(KERNEL_NAME)
+    except NoSuchKernel:
+        return {"name": KERNEL_NAME, "registered": False, "path": None, "python": None}
+    python = spec.argv[0] if spec.argv else None
+    return {"name": KERNEL_NAME, "registered": True, "path": spec.resource_dir, "python": python,
+            "display_name": spec.display_name}  # fmt: skip
+
+
+def _all_reduce_rank() -> dict[str, float]:
+    """Body of the smoke test on each rank: all-reduce rank+1, so every rank ends with n(n+1)/2."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    start = time.perf_counter()
+    dist.all_reduce(value)
+    return {"value": float(value.item()), "collective_s": time.perf_counter() - start}
+
+
+def _smoke_test(problems: list[str]) -> dict[str, Any]:
+    from labkit import launch
+
+    n = SMOKE_WORLD_SIZE
+    expected = n * (n + 1) / 2
+    start = time.perf_counter()
+    try:
+        results = launch(_all_reduce_rank, n, timeout=SMOKE_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 (reported as a problem, with the rank's own message)
+        wall_s = time.perf_counter() - start
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        problems.append(
+            f"the {n}-rank all_reduce smoke test failed after {wall_s:.1f} s ({first_line}): "
+            "check that processes can fork and talk over 127.0.0.1"
+        )
+        return {"ran": True, "ok": False, "world_size": n, "collective": "all_reduce", "expected": expected,
+                "values": None, "wall_s": wall_s, "collective_s": None, "error": first_line}  # fmt: skip
+    wall_s = time.perf_counter() - start
+    values = [r["value"] for r in results]
+    ok = all(v == expected for v in values)
+    if not ok:
+        problems.append(f"the {n}-rank all_reduce returned {values}, expected {expected} on every rank")
+    return {"ran": True, "ok": ok, "world_size": n, "collective": "all_reduce", "expected": expected,
+            "values": values, "wall_s": wall_s, "collective_s": max(r["collective_s"] for r in results),
+            "error": None}  # fmt: skip
+
+
+def _devices(torch) -> dict[str, Any]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not torch.cuda.is_available():
+        return {"summary": "cpu only", "cuda_count": 0, "cuda_names": [], "cpu_cores": cores}
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"summary": f"{len(names)} cuda: {', '.join(names)}", "cuda_count": len(names), "cuda_names": names,
+            "cpu_cores": cores}  # fmt: skip
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human table of `labkit doctor`, then one line per problem."""
+    v, b, ops, k, s = (
+        report["versions"],
+        report["backend"],
+        report["deepspeed_ops"],
+        report["kernel"],
+        report["smoke_test"],
+    )
+    rows = [(name, version or "not installed") for name, version in v.items()]
+    rows += [
+        ("devices", f"{report['devices']['summary']} ({report['devices']['cpu_cores']} cpu cores)"),
+        (
+            "backend",
+            f"{b['backend']} on {b['device_type']}, {b['start_method']} (for {b['world_size']} ranks)",
+        ),
+        ("max ranks", f"{report['max_ranks']} " + str(report["max_ranks_by_device"])),
+        ("deepspeed ops", ", ".join(f"{n} {st}" for n, st in ops["ops"].items())),
+        ("extensions dir", ops["extensions_dir"]),
+        ("ninja", report["ninja"] or "not on PATH"),
+        (
+            "jupyter kernel",
+            f"{k['name']} -> {k['python']}" if k["registered"] else f"{k['name']} not registered",
+        ),
+    ]
+    if not s["ran"]:
+        rows.append(("smoke test", "skipped"))
+    elif s["ok"]:
+        rows.append(("smoke test", f"all_reduce on {s['world_size']} ranks -> {s['values']} in {s['wall_s']:.2f} s "
+                                   f"(the collective itself {s['collective_s'] * 1e3:.1f} ms)"))  # fmt: skip
+    else:
+        rows.append(("smoke test", f"FAILED: {s['error'] or s['values']}"))
+    width = max(len(name) for name, _ in rows)
+    lines = [f"  {name:<{width}}  {value}" for name, value in rows]
+    lines.append("ready for the lab" if report["ok"] else f"{len(report['problems'])} problem(s):")
+    lines += [f"  - {p}" for p in report["problems"]]
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""Build DeepSpeed's CPU ops once, at set-up, so that no notebook cell waits on a JIT compile.
+
+A DeepSpeed run on CPU ranks compiles C++ ops the first time it needs them (through torch's
+`cpp_extension.load`, ninja and g++): the shared-memory collectives when its comm backend starts, FusedAdam
+for a plain ZeRO-3 optimizer, DeepSpeedCPUAdam for optimizer offload. `python -m labkit.prebuild` builds
+exactly those three, removes the `lock` file an interrupted build leaves behind (torch waits on it forever),
+and pins two things for every Python of the environment, with a one-line `.pth` file:
+- TORCH_EXTENSIONS_DIR defaults to `<sys.prefix>/torch_extensions`, so a build belongs to the torch it was
+  compiled against and two checkouts never rebuild each other's ops (a value the user set wins);
+- the `ninja` torch calls is the environment's own (`<sys.prefix>/share/labkit/bin` goes first on PATH):
+  two ninja versions read each other's build logs as dirty, so a kernel that found /usr/bin/ninja after a
+  build by the venv's ninja (or the other way round) would recompile every op, minutes each.
+
+`op_status()` inspects without building; `labkit doctor` uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+
+# (DeepSpeed builder class, extension name): what a CPU run of DeepSpeed JIT-builds on first use.
+CPU_OPS = (
+    ("ShareMemCommBuilder", "deepspeed_shm_comm"),  # deepspeed.comm on the CPU accelerator, at init
+    ("FusedAdamBuilder", "fused_adam"),  # the optimizer of a ZeRO-3 config {"type": "AdamW"}
+    ("CPUAdamBuilder", "cpu_adam"),  # DeepSpeedCPUAdam, with "offload_optimizer": {"device": "cpu"}
+)
+PTH_NAME = "labkit-torch-extensions.pth"
+NINJA_DIR = os.path.join("share", "labkit", "bin")  # under sys.prefix: holds only a link to ninja
+PTH_LINE = (
+    "import os, sys; "
+    "os.environ.setdefault('TORCH_EXTENSIONS_DIR', os.path.join(sys.prefix, 'torch_extensions')); "
+    f"_b = os.path.join(sys.prefix, {NINJA_DIR!r}); _p = os.environ.get('PATH', ''); "
+    "os.path.isdir(_b) and not _p.startswith(_b + os.pathsep) and os.environ.__setitem__('PATH', _b + os.pathsep + _p)\n"
+)
+WAIT_FOR_BUILDER_S = 900.0  # how long to wait on a build another live process is running (s)
+
+
+@dataclass(frozen=True)
+class OpStatus:
+    """One op's state on disk: `status` is built | missing | out of date | building | interrupted | skipped."""
+
+    name: str
+    status: str
+    build_dir: str
+    library: str
+    lock_holders: list[int]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def extensions_dir() -> str:
+    """The folder torch builds extensions in, computed as torch does, without creating it."""
+    pinned = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if pinned:
+        return pinned
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accel = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        accel = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        accel = "cpu"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return os.path.join(get_default_build_root(), f"{py}_{accel}")
+
+
+def lock_holders(lock_path: str) -> list[int] | None:
+    """Process ids that hold `lock_path` open (torch's FileBaton keeps it open while it builds).
+
+    None when this cannot be told (no /proc, or processes this user may not inspect).
+    """
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    target = os.path.realpath(lock_path)
+    holders, blind = [], False
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except PermissionError:
+            blind = True
+            continue
+        except OSError:
+            continue  # the process ended while we looked
+        for fd in fds:
+            try:
+                if os.readlink(os.path.join(fd_dir, fd)) == target:
+                    holders.append(int(pid))
+                    break
+            except OSError:
+                continue
+    return None if blind and not holders else holders
+
+
+def op_status(name: str, ext_dir: str | None = None) -> OpStatus:
+    """Where op `name` stands, read from its build folder; builds nothing and creates nothing."""
+    build_dir = os.path.join(ext_dir or extensions_dir(), name)
+    library = os.path.join(build_dir, f"{name}.so")
+    lock = os.path.join(build_dir, "lock")
+    if name == "deepspeed_shm_comm" and not sys.platform.startswith("linux"):
+        return OpStatus(name, "skipped", build_dir, library, [])  # DeepSpeed falls back to gloo there
+    if os.path.exists(lock):
+        holders = lock_holders(lock)
+        if holders is None:  # cannot see who holds it: trust a young lock, distrust an old one
+            young = time.time() - os.path.getmtime(lock) < WAIT_FOR_BUILDER_S
+            return OpStatus(name, "building" if young else "interrupted", build_dir, library, [])
+        return OpStatus(name, "building" if holders else "interrupted", build_dir, library, holders)
+    if not os.path.exists(library):
+        return OpStatus(name, "missing", build_dir, library, [])
+    return OpStatus(name, "built" if _up_to_date(build_dir) else "out of date", build_dir, library, [])
+
+
+def _up_to_date(build_dir: str) -> bool:
+    """True unless ninja's dry run says the library needs rebuilding (sources or torch headers changed)."""
+    ninja = shutil.which("ninja")
+    if ninja is None or not os.path.exists(os.path.join(build_dir, "build.ninja")):
+        return True  # nothing better to go on than the library being there
+    try:
+        out = subprocess.run([ninja, "-C", build_dir, "-n"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return out.returncode == 0 and "no work to do" in out.stdout
+
+
+def pin_environment() -> str | None:
+    """Write the `.pth` that pins TORCH_EXTENSIONS_DIR and ninja (module docstring); apply it here too.
+
+    Only inside a virtual or conda environment that this user can write; returns the `.pth` path, or None
+    when it left the environment alone (then torch's default folder under ~/.cache and PATH's ninja apply).
+    """
+    in_env = sys.prefix != sys.base_prefix or os.path.exists(os.path.join(sys.prefix, "conda-meta"))
+    site_dir = sysconfig.get_paths()["purelib"]
+    if not in_env or not os.access(site_dir, os.W_OK):
+        return None
+    scripts_ninja = os.path.join(sysconfig.get_paths()["scripts"], "ninja")
+    ninja = scripts_ninja if os.path.exists(scripts_ninja) else shutil.which("ninja")
+    if ninja:
+        link = os.path.join(sys.prefix, NINJA_DIR, "ninja")
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        if os.path.realpath(link) != os.path.realpath(ninja):
+            if os.path.lexists(link):
+                os.remove(link)
+            os.symlink(os.path.realpath(ninja), link)
+    path = os.path.join(site_dir, PTH_NAME)
+    if not os.path.exists(path) or open(path).read() != PTH_LINE:
+        with open(path, "w") as f:
+            f.write(PTH_LINE)
+    exec(PTH_LINE, {})  # the same effect on this process as on the next one
+    return path
+
+
+def clear_interrupted(status: OpStatus) -> bool:
+    """Remove the lock of an interrupted build (no live process holds it); True when one was removed."""
+    if status.status != "interrupted":
+        return False
+    try:
+        os.remove(os.path.join(status.build_dir, "lock"))
+    except FileNotFoundError:
+        pass
+    return True
+
+
+def _wait_for_builder(name: str, ext_dir: str, limit_s: float) -> OpStatus:
+    status = op_status(name, ext_dir)
+    if status.status == "building":
+        print(f"  {name}: process {status.lock_holders or '?'} is building it; waiting (up to {limit_s:g} s)")
+        deadline = time.monotonic() + limit_s
+        while status.status == "building" and time.monotonic() < deadline:
+            time.sleep(1.0)
+            status = op_status(name, ext_dir)
+        if status.status == "building":
+            raise RuntimeError(
+                f"{name} has been locked by a build for over {limit_s:g} s; if no build is running, "
+                f"remove {os.path.join(status.build_dir, 'lock')} and run `python -m labkit.prebuild` again"
+            )
+    return status
+
+
+def build_all(verbose: bool = False) -> list[dict]:
+    """Build (or confirm) every op of CPU_OPS with DeepSpeed's CPU accelerator; one dict per op.
+
+    Each dict: `name`, `before` (its status on entry), `seconds` (time to build or load it, s). Raises
+    RuntimeError naming the op when a build fails.
+    """
+    os.environ["DS_ACCELERATOR"] = "cpu"  # these are the CPU accelerator's builders, whatever GPUs exist
+    ext_dir = extensions_dir()
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    report = []
+    for class_name, name in CPU_OPS:
+        status = _wait_for_builder(name, ext_dir, WAIT_FOR_BUILDER_S)
+        if status.status == "skipped":
+            report.append({"name": name, "before": "skipped", "seconds": 0.0})
+            continue
+        if clear_interrupted(status):
+            print(f"  {name}: removed the lock an interrupted build left in {status.build_dir}; rebuilding")
+        builder = accelerator.create_op_builder(class_name)
+        if not builder.is_compatible(verbose):
+            report.append({"name": name, "before": "skipped", "seconds": 0.0})
+            print(
+                f"  {name}: not compatible with this machine, skipped ({builder.error_log or 'no reason given'})"
+            )
+            continue
+        start = time.perf_counter()
+        try:
+            builder.load(verbose)
+        except Exception as e:  # noqa: BLE001 (one sentence naming the op, the compiler log is above)
+            raise RuntimeError(f"building DeepSpeed op {name} failed: {e}") from e
+        seconds = time.perf_counter() - start
+        report.append({"name": name, "before": status.status, "seconds": seconds})
+        done = "already built, loaded" if status.status == "built" else "built"
+        print(f"  {name:<20} {done} in {seconds:.1f} s")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m labkit.prebuild [--no-pin] [--verbose]`; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m labkit.prebuild", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--no-pin", action="store_true", help="leave TORCH_EXTENSIONS_DIR and PATH as they are"
+    )
+    parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
+    args = parser.parse_args(argv)
+    if not args.no_pin:
+        pth = pin_environment()
+        if pth:
+            print(
+                f"TORCH_EXTENSIONS_DIR defaults to {os.environ['TORCH_EXTENSIONS_DIR']} and ninja is "
+                f"{shutil.which('ninja')} (set in {pth})"
+            )
+    print(f"building DeepSpeed CPU ops in {extensions_dir()}")
+    start = time.perf_counter()
+    try:
+        build_all(args.verbose)
+    except RuntimeError as e:
+        print(f"labkit.prebuild: {e}", file=sys.stderr)
+        return 1
+    print(f"DeepSpeed CPU ops ready ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

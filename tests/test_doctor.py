@@ -1,0 +1,130 @@
+"""`labkit doctor`: the report is real (versions, backend, a 2-rank all_reduce) and gaps exit 1 with advice."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit import cluster, doctor, prebuild
+from labkit.cli import main
+
+KEYS = {"versions", "pinned", "devices", "backend", "max_ranks", "max_ranks_by_device", "deepspeed_ops", "ninja",
+        "kernel", "smoke_test", "problems", "ok"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cli_json() -> tuple[subprocess.CompletedProcess, dict]:
+    """One real `labkit doctor --json -` in its own process, smoke test included."""
+    out = subprocess.run([sys.executable, "-m", "labkit", "doctor", "--json", "-"], capture_output=True,
+                         text=True, timeout=180)  # fmt: skip
+    return out, json.loads(out.stdout)  # stdout carries the JSON and nothing else
+
+
+def test_json_report_is_real(cli_json):
+    _, report = cli_json
+    assert set(report) == KEYS
+    v = report["versions"]
+    assert v["torch"] == torch.__version__
+    assert v["python"] == platform.python_version()
+    for name in ("deepspeed", "jupyterlab", "ipywidgets"):
+        assert v[name] == importlib.metadata.version(name)
+    where = cluster.placement(2)
+    assert report["backend"] == {"world_size": 2, "backend": where.backend, "device_type": where.device_type,
+                                 "start_method": where.start_method}  # fmt: skip
+    assert report["max_ranks"] == cluster.max_ranks()
+    assert report["max_ranks_by_device"]["cpu"] == cluster.max_ranks("cpu")
+    if not torch.cuda.is_available():
+        assert report["devices"]["summary"] == "cpu only" and report["devices"]["cuda_count"] == 0
+    ops = report["deepspeed_ops"]
+    assert ops["extensions_dir"] == prebuild.extensions_dir()
+    assert set(ops["ops"]) == {name for _, name in prebuild.CPU_OPS}
+
+
+def test_smoke_test_all_reduces_on_two_ranks(cli_json):
+    _, report = cli_json
+    smoke = report["smoke_test"]
+    assert smoke["ran"] and smoke["ok"], smoke
+    assert smoke["collective"] == "all_reduce" and smoke["world_size"] == 2
+    assert smoke["values"] == [3.0, 3.0] == [smoke["expected"]] * 2  # 1 + 2 on every rank
+    assert 0 < smoke["collective_s"] < smoke["wall_s"] < doctor.SMOKE_TIMEOUT_S
+
+
+def test_exit_status_and_advice_follow_the_problems(cli_json):
+    out, report = cli_json
+    assert report["ok"] == (not report["problems"])
+    assert out.returncode == (0 if report["ok"] else 1), out.stderr
+    advice = [ln for ln in out.stderr.splitlines() if ln.startswith("labkit doctor: ")]
+    assert advice == [f"labkit doctor: {p}" for p in report["problems"]]
+
+
+def test_json_to_a_file_and_the_table(tmp_path: Path, capsys):
+    path = tmp_path / "doctor.json"
+    status = main(["doctor", "--skip-smoke", "--json", str(path)])
+    report = json.loads(path.read_text())
+    assert status == (0 if report["ok"] else 1)
+    assert report["smoke_test"] == {"ran": False}
+    table = capsys.readouterr().out
+    assert f"torch           {torch.__version__}" in table and "smoke test      skipped" in table
+
+
+def test_unbuilt_ops_exit_1_with_one_line_of_advice(monkeypatch, tmp_path: Path, capsys):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "nothing-built-here"))
+    status = main(["doctor", "--skip-smoke", "--json", "-"])
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert status == 1 and not report["ok"]
+    assert set(report["deepspeed_ops"]["ops"].values()) <= {"missing", "skipped"}
+    assert not report["deepspeed_ops"]["ready"]
+    line = "DeepSpeed CPU ops not built (deepspeed_shm_comm, fused_adam, cpu_adam): run `make lab` or `python -m labkit.prebuild`"
+    assert line in report["problems"]
+    assert f"labkit doctor: {line}" in out.err.splitlines()
+    assert not (tmp_path / "nothing-built-here").exists(), "the doctor inspects, it never builds"
+
+
+def test_interrupted_build_is_reported(monkeypatch, tmp_path: Path):
+    for _, name in prebuild.CPU_OPS:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.so").write_bytes(b"")
+    (tmp_path / "fused_adam" / "lock").write_bytes(b"")  # left behind by a killed build
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    report = doctor.diagnose(smoke=False)
+    assert report["deepspeed_ops"]["ops"]["fused_adam"] == "interrupted"
+    assert report["deepspeed_ops"]["ops"]["cpu_adam"] == "built"
+    [line] = [p for p in report["problems"] if "fused_adam" in p]
+    assert "lock" in line and "python -m labkit.prebuild" in line
+    assert not report["ok"]
+
+
+def test_missing_kernel_is_reported(monkeypatch):
+    monkeypatch.setattr(doctor, "KERNEL_NAME", "labkit-no-such-kernel")
+    report = doctor.diagnose(smoke=False)
+    assert report["kernel"]["registered"] is False
+    assert any("ipykernel install --sys-prefix --name labkit-no-such-kernel" in p for p in report["problems"])
+
+
+def _planted_failure() -> None:
+    raise RuntimeError("planted in the smoke test")
+
+
+def test_a_failing_smoke_test_is_a_problem(monkeypatch):
+    monkeypatch.setattr(doctor, "_all_reduce_rank", _planted_failure)
+    report = doctor.diagnose()
+    smoke = report["smoke_test"]
+    assert smoke["ran"] and not smoke["ok"] and "planted in the smoke test" in smoke["error"]
+    assert any(p.startswith("the 2-rank all_reduce smoke test failed") for p in report["problems"])
+    assert not report["ok"]
+
+
+def test_registered_kernel_runs_this_python():
+    kernel = doctor.diagnose(smoke=False)["kernel"]
+    if not kernel["registered"]:
+        pytest.skip("the labkit kernel is not registered here (run `make test`)")
+    assert kernel["python"] == "python" or os.path.samefile(kernel["python"], sys.executable)
