@@ -7,6 +7,7 @@ VENV        ?= .venv
 PORT        ?= 8888
 ARGS        ?=
 PYTEST_ARGS ?=
+BENCH_ARGS  ?=
 
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -17,13 +18,17 @@ TORCH  := $(shell sed -n 's/^\(torch==[^ ;#]*\).*/\1/p' requirements.txt)
 # Jupyter refuses to start as root unless told; containers and CI machines often run as root.
 ROOT   := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test lint setup prebuild doctor clean
+.PHONY: lab test bench lint setup prebuild doctor clean
 
 lab: setup
 	$(VENV)/bin/jupyter lab --notebook-dir notebooks --port $(PORT) $(ROOT) $(ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Side-by-side engine benchmarks (not part of the test suite): medians and ratios into benchmarks/results.md.
+bench: setup
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
