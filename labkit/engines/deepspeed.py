@@ -1,0 +1,214 @@
+"""The `deepspeed` engine: `deepspeed.initialize` with ZeRO stage 3 around the lab's model.
+
+In one sentence: DeepSpeed replaces each parameter's data with a flat 1/n partition (`param.ds_tensor`),
+gathers a module's parameters in a forward/backward pre-hook and releases them after, and reduce-scatters
+gradients into one flat fp32 buffer on which the optimizer updates a flat fp32 master copy of the partition.
+The engine passes its own `torch.optim.AdamW` (the run's hyper-parameters), so the arithmetic is the one
+`single` does. The config comes from `labkit.engines.ds_config` (read it for why the ZeRO-3 knobs are set).
+
+It runs under `labkit.launch` (DeepSpeed finds the process group already initialised and uses it) and under
+the `deepspeed`/`torchrun` launchers alike. Options are `RunConfig` fields plus `cfg.options` (see
+`ds_config.ds_config`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+
+from labkit.budget import collective_wire_bytes, padded_flat_numel
+from labkit.engines.base import RankInfo, RunConfig, adamw
+from labkit.engines.ds_config import ds_config
+from labkit.model import loss_fn
+
+NAME = "deepspeed"
+
+# ZeRO++ flags that DeepSpeed accepts in the config but whose kernels exist only for CUDA.
+_CUDA_ONLY_FLAGS = {
+    "zero_quantized_weights": "its weight quantizer is a CUDA kernel",
+    "zero_quantized_gradients": "its gradient quantizer is a CUDA kernel",
+}
+
+
+def refuse_cuda_only_flags(cfg: RunConfig) -> None:
+    """Raise one sentence, before DeepSpeed starts, for a ZeRO++ flag that cannot run on this accelerator."""
+    if get_accelerator().device_name() != "cpu":
+        return
+    for flag, why in _CUDA_ONLY_FLAGS.items():
+        if cfg.options.get(flag):
+            raise ValueError(
+                f"{flag}=True does not run on CPU ranks: {why} (DeepSpeed itself fails with 'This op had not "
+                "been implemented on CPU backend'); run it on GPUs, or use the notebook's scale model of it"
+            )
+
+
+class DeepSpeedEngine:
+    """One rank of the deepspeed engine: the `DeepSpeedEngine` DeepSpeed returned, driven step by step."""
+
+    name = NAME
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.device = engine.device
+
+    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.engine(tokens.to(self.device))
+        return loss_fn(logits.float(), targets.to(self.device))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def optimizer_step(self) -> None:
+        self.engine.step()  # also zeroes the gradients DeepSpeed holds
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank keeps between steps; see `itemise_state_bytes` for the bytes of each entry."""
+        return {key: [t for _, t in entries] for key, entries in self.state_entries().items()}
+
+    def state_entries(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """(what, tensor) pairs per key, local tensors only, each storage counted once.
+
+        "params": each parameter's partition `ds_tensor` (the compute dtype; views into one flat buffer),
+        plus the full tensor of every parameter DeepSpeed keeps gathered ("persistent"), plus, with
+        `zero_hpz_partition_size` = h, the secondary 1/h partition backward gathers from (ZeRO++ hpZ) while
+        it exists: built in forward, gone after the optimizer step (measured), so absent between steps.
+        "grads": the flat gradient-partition buffer (the gradient dtype: fp32, or bf16 in bf16 runs) and the
+        flat reduce bucket the gradients are copied into before each reduce-scatter; both stay allocated.
+        "optimizer": the flat fp32 master partition (an extra copy even in float32 runs), AdamW's two
+        moments over it and its step counter.
+        """
+        zero = self.engine.optimizer
+        params = [p for p in self.engine.module.parameters()]
+        entries: dict[str, list[tuple[str, torch.Tensor]]] = {"params": [], "grads": [], "optimizer": []}
+        entries["params"] = [("partition", p.ds_tensor) for p in params]
+        entries["params"] += [("persistent full copy", p.data) for p in params if p.ds_persist]
+        entries["params"] += [
+            ("hpZ secondary partition", p.ds_secondary_tensor)
+            for p in params
+            if getattr(p, "ds_secondary_tensor", None) is not None
+        ]
+        entries["grads"] = [("gradient partitions (flat)", zero.grad_partitions_flat_buffer)]
+        entries["grads"] += [
+            ("reduce bucket (flat)", b.buffer) for b in zero.ipg_buckets.values() if b.buffer is not None
+        ]
+        entries["optimizer"] = [
+            ("fp32 master partition (flat)", t) for t in zero.fp32_partitioned_groups_flat
+        ]
+        for state in zero.optimizer.state.values():
+            entries["optimizer"] += [(f"AdamW {k}", v) for k, v in state.items() if torch.is_tensor(v)]
+        return entries
+
+
+def itemise_state_bytes(engine: DeepSpeedEngine, n_params: int) -> list[dict[str, Any]]:
+    """Each kind of state this rank keeps: its bytes and bytes per model parameter x world size.
+
+    A row with `bytes_per_param_times_n` = 4 costs 4 B per parameter / n, so the ZeRO-3 paper's 16 B/param
+    (fp32 AdamW: param, grad, two moments) appears as 4 + 4 + 8; DeepSpeed adds the fp32 master partition
+    (4 more, even when the parameters are already fp32) and a few scalars. `n_params` counts the unsharded
+    model's elements.
+    """
+    n = dist.get_world_size()
+    rows: dict[tuple[str, str], int] = {}
+    for key, entries in engine.state_entries().items():
+        for what, t in entries:
+            rows[(key, what)] = rows.get((key, what), 0) + t.numel() * t.element_size()
+    return [
+        {"state": key, "what": what, "bytes": b, "bytes_per_param_times_n": b * n / n_params}
+        for (key, what), b in rows.items()
+    ]
+
+
+def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
+    """Per rank per step (steady state), the all-gather and reduce-scatter wire bytes of DeepSpeed's plan.
+
+    `model` is the unsharded lab model. DeepSpeed flattens each parameter and pads it to a multiple of the
+    world size. A parameter below `stage3_param_persistence_threshold` elements is persistent: kept whole
+    on every rank, and gathered once per step, after the optimizer step has changed its partition. With
+    the fair knobs every other parameter is gathered before its module's forward and again before its
+    backward (with `zero_hpz_partition_size` = h, the backward gather runs inside a group of h ranks, from
+    the secondary partition). Gradients are reduce-scattered once, in the parameter dtype (bf16 in bf16
+    runs, where FSDP2 reduces in fp32). Under DeepSpeed's default reuse knobs
+    a non-persistent parameter may survive from forward to backward depending on the traced order, which
+    this plan does not model: it raises then. (The first two steps differ: DeepSpeed traces its order.)
+    """
+    config = ds_config(cfg, world_size)["zero_optimization"]
+    threshold = config.get("stage3_param_persistence_threshold", 100_000)
+    hpz = int(config.get("zero_hpz_partition_size", 1))
+    backward_group = hpz if hpz > 1 else world_size
+    elem_bytes = 2 if cfg.dtype == "bfloat16" else 4
+    n = world_size
+    gathered, reduced = 0, 0
+    for p in model.parameters():
+        payload_bytes = padded_flat_numel(p.numel(), n) * elem_bytes
+        reduced += collective_wire_bytes("reduce_scatter", payload_bytes, n)
+        gathered += collective_wire_bytes("all_gather", payload_bytes, n)
+        if p.numel() < threshold:
+            continue
+        if "stage3_max_reuse_distance" not in config:
+            raise ValueError(
+                "the default reuse knobs keep some non-persistent parameters gathered from forward to "
+                "backward in a traced order labkit does not model; pass ds_mode='fair' for a prediction"
+            )
+        gathered += collective_wire_bytes("all_gather", payload_bytes, backward_group)
+    return {"all_gather": gathered, "reduce_scatter": reduced}
+
+
+def comms_logger_summary() -> dict[str, dict[str, int]]:
+    """What DeepSpeed's own comms logger recorded on this rank so far: calls and message bytes per op.
+
+    Needs `cfg.options["comms_logger"] = True`. Its "message size" is not labkit's payload: for an
+    all-gather it is the input shard (1/n of labkit's payload), for a reduce-scatter the full input (equal
+    to labkit's payload); it logs from DeepSpeed's init on, while labkit's probe counts per step.
+    """
+    from deepspeed.comm import comms_logger
+
+    return {
+        op: {
+            "calls": sum(v[0] for v in sizes.values()),
+            "message_bytes": sum(k * v[0] for k, v in sizes.items()),
+        }
+        for op, sizes in comms_logger.comms_dict.items()
+    }
+
+
+def memory_estimate(model: nn.Module, world_size: int) -> dict[str, Any]:
+    """DeepSpeed's own ZeRO-3 estimate for `model` on one node of `world_size` GPUs, no offload (bytes).
+
+    `estimate_zero3_model_states_mem_needs` (what `..._all_live` prints, in GiB) charges 18 B/param / n
+    plus 4 B per element of the largest layer. Measured here in float32 the engine keeps 20 B/param / n
+    (4 param partition + 4 fp32 master copy + 4 gradient partitions + 8 AdamW) plus its reduce bucket; in
+    bf16 16 B/param / n (2 + 4 + 2 + 8) plus the bucket: `itemise_state_bytes` shows each term.
+    """
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
+
+    total_params, largest_layer_params = model_to_params(model)
+    _, gpu_bytes, largest_layer_bytes = estimate_zero3_model_states_mem_needs(
+        total_params,
+        largest_layer_params,
+        num_gpus_per_node=world_size,
+        cpu_offload=False,
+        cpu_offload_params=False,
+    )
+    return {
+        "params": total_params,
+        "largest_layer_params": largest_layer_params,
+        "gpu_bytes_per_rank": gpu_bytes,
+        "largest_layer_bytes": largest_layer_bytes,
+        "bytes_per_param_times_n": (gpu_bytes - largest_layer_bytes) * world_size / total_params,
+    }
+
+
+def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> DeepSpeedEngine:
+    """`deepspeed.initialize` the model with ZeRO-3 and the run's AdamW, in the existing process group.
+
+    DeepSpeed re-points the AdamW at its flat fp32 partition, so the optimizer's state is 1/n of the model.
+    """
+    refuse_cuda_only_flags(cfg)
+    config = ds_config(cfg, rank_info.world_size)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters(), cfg), config=config)
+    return DeepSpeedEngine(engine)

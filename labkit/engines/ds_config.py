@@ -1,0 +1,107 @@
+"""The DeepSpeed JSON config for a `RunConfig`: ZeRO stage 3, with the knobs that make the comparison fair.
+
+DeepSpeed's ZeRO-3 defaults are tuned for billion-parameter models and quietly stop sharding a small one:
+every parameter under `stage3_param_persistence_threshold` (1e5 elements) stays gathered on every rank, and
+`stage3_max_live_parameters` / `stage3_max_reuse_distance` (1e9 elements each) let gathered parameters
+stay alive for reuse. The lab's tiny model is all small tensors, so with the defaults DeepSpeed gathers it
+once and keeps it (no all-gather per step; only the reduce-scatters remain). `mode="fair"` turns those
+caches off so DeepSpeed does what the formula and the other engines do: gather each block before use,
+release it after, every step. `mode="defaults"` leaves DeepSpeed's own values, to show the contrast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from labkit.engines.base import RunConfig
+from labkit.model import Block
+from labkit.model import config as model_config
+
+# The four ZeRO-3 knobs `mode="fair"` sets, each in parameter elements, and why.
+FAIR_ZERO3_KNOBS: dict[str, int] = {
+    # Partition every parameter, however small (default 1e5 elements: smaller ones stay whole on every rank).
+    "stage3_param_persistence_threshold": 0,
+    # Release a gathered parameter as soon as its module is done (default: keep up to 1e9 elements live).
+    "stage3_max_live_parameters": 1,
+    # Never keep a parameter for reuse "soon" (default: anything reused within 1e9 elements stays).
+    "stage3_max_reuse_distance": 0,
+    # Prefetch at most one parameter ahead (default 5e7 elements: the whole tiny model at once).
+    "stage3_prefetch_bucket_size": 1,
+}
+
+# The ZeRO++ flags a run may set through `cfg.options`, with what each does.
+ZERO_PLUS_PLUS_FLAGS = {
+    "zero_hpz_partition_size": "ranks in the secondary (hierarchical) weight partition used in backward",
+    "zero_quantized_weights": "all-gather int8-quantized weights instead of full-precision ones",
+    "zero_quantized_gradients": "reduce gradients with a quantized all-to-all instead of a reduce-scatter",
+}
+
+MODES = ("fair", "defaults")
+
+
+def block_numel(model: str) -> int:
+    """Parameter elements of one block of `model`: the size `mode="fair"` gives DeepSpeed's reduce bucket.
+
+    DeepSpeed keeps one flat gradient bucket of `reduce_bucket_size` elements allocated for the whole run
+    (default 5e8: 2 GB in fp32, 4000x the tiny model) and reduce-scatters whenever it fills. One block's
+    worth makes it reduce-scatter about once per block, as FSDP2 does, and keeps the bucket in proportion.
+    """
+    return sum(p.numel() for p in Block(model_config(model)).parameters())
+
+
+def ds_config(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, Any]:
+    """DeepSpeed's config dict for `cfg` on `world_size` ranks (micro batch = global batch / world size).
+
+    Recognised `cfg.options`: the keys of `ZERO_PLUS_PLUS_FLAGS`, "ds_mode" ("fair" or "defaults",
+    overriding `mode`), "offload_param" (True: also offload the parameter shards to the host;
+    `cfg.offload == "cpu"` offloads the optimizer state and step) and "comms_logger" (True: DeepSpeed's
+    own comms logger records every collective, for `deepspeed.comms_logger_summary`).
+    """
+    mode = cfg.options.get("ds_mode", mode)
+    if mode not in MODES:
+        raise ValueError(
+            f"ds_mode={mode!r}: choose 'fair' (formula-faithful knobs) or 'defaults' (DeepSpeed's)"
+        )
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={cfg.dtype!r}: the deepspeed engine runs 'float32' or 'bfloat16'")
+    if cfg.offload not in ("none", "cpu"):
+        raise ValueError(
+            f"offload={cfg.offload!r}: the deepspeed engine offloads to 'none' or 'cpu'; NVMe offload "
+            "(ZeRO-Infinity) needs DeepSpeed's async_io op, which needs Debian's libaio-dev, and is not wired yet"
+        )
+    global_batch = model_config(cfg.model).global_batch
+    if global_batch % world_size:
+        raise ValueError(
+            f"world_size={world_size} does not divide the global batch of {global_batch} sequences"
+        )
+    zero: dict[str, Any] = {"stage": 3}
+    if mode == "fair":
+        zero.update(FAIR_ZERO3_KNOBS)
+        zero["reduce_bucket_size"] = block_numel(cfg.model)
+    if cfg.offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if cfg.options.get("offload_param"):
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    for flag in ZERO_PLUS_PLUS_FLAGS:
+        if flag in cfg.options:
+            zero[flag] = cfg.options[flag]
+    return {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": global_batch // world_size,
+        "gradient_accumulation_steps": 1,
+        # DeepSpeed 0.19 clips the global gradient norm to 1.0 unless told otherwise; `single` and the other
+        # engines do not clip, and the lab's first gradients have norm ~1.3, so clipping would bend the curve.
+        "gradient_clipping": 0.0,
+        "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        "zero_optimization": zero,
+        # The engine passes its own torch.optim.AdamW (the same optimizer `single` uses); these two let
+        # DeepSpeed accept it, also under optimizer offload where it would otherwise insist on its CPU Adam.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "comms_logger": {
+            "enabled": bool(cfg.options.get("comms_logger")),
+            "prof_all": True,
+            "verbose": False,
+        },
+    }

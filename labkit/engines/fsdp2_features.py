@@ -1,0 +1,254 @@
+"""FSDP2 features beyond the plain engine, each a rank-side function that trains briefly and returns facts.
+
+Run any of them with `labkit.launch(fn, world_size, cfg, ...)`; rank 0's dict is what a notebook shows:
+HSDP on a 2-D mesh, tensor parallelism + FSDP on one 2x2 mesh, a distributed checkpoint saved on one world
+size and loaded on another, `ignored_params`, `torch.compile` of the sharded model, and torch's own
+`CommDebugMode` counts (to set beside labkit's probe). Losses are global means, to compare with `single`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from labkit.engines import fsdp2
+from labkit.engines.base import RunConfig, adamw
+from labkit.engines.loop import rank_info
+from labkit.model import batch, build_model
+
+
+def train_steps(
+    engine: fsdp2.Fsdp2Engine, cfg: RunConfig, first_step: int = 0, dp: tuple[int, int] | None = None
+):
+    """`cfg.steps` steps from `first_step`; the global mean loss of each. `dp` = (data rank, data ranks)."""
+    dp_rank, dp_size = dp or (dist.get_rank(), dist.get_world_size())
+    losses = []
+    for step in range(first_step, first_step + cfg.steps):
+        tokens, targets = batch(step, cfg.model, cfg.seed, dp_size, dp_rank)
+        loss = engine.forward_loss(tokens, targets)
+        engine.backward(loss)
+        engine.optimizer_step()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)  # outside the engine's step; every rank of a data replica holds the same loss
+        losses.append(mean.item() / dist.get_world_size())
+    return losses
+
+
+def _engine(cfg: RunConfig) -> fsdp2.Fsdp2Engine:
+    return fsdp2.build(cfg, build_model(cfg.model, cfg.seed), rank_info())
+
+
+def hsdp(cfg: RunConfig, replicas: int = 2) -> dict[str, Any]:
+    """HSDP: a (replicate, shard) mesh; each parameter `(Replicate(), Shard(0))`.
+
+    In torch 2.13 `fully_shard` reads a 2-D mesh as dim 0 = replicate, dim 1 = shard: parameters are
+    sharded across the ranks of a row (all-gathers and reduce-scatters stay in the row) and replicated
+    down a column (the gradient shards are all-reduced across rows).
+    """
+    n = dist.get_world_size()
+    info = rank_info()
+    mesh = init_device_mesh(
+        info.device.type, (replicas, n // replicas), mesh_dim_names=("replicate", "shard")
+    )
+    model = build_model(cfg.model, cfg.seed)
+    fsdp2.shard_model(model, cfg, mesh)
+    fsdp2.assert_sharded(model, mesh)
+    engine = fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), info.device)
+    weight = model.blocks[0].qkv.weight
+    return {
+        "mesh_dim_names": mesh.mesh_dim_names,
+        "mesh": mesh.mesh.tolist(),
+        "placements": str(weight.placements),
+        "shard_group_ranks": dist.get_process_group_ranks(mesh.get_group("shard")),
+        "replicate_group_ranks": dist.get_process_group_ranks(mesh.get_group("replicate")),
+        "local_shape": tuple(weight.to_local().shape),
+        "full_shape": tuple(weight.shape),
+        "losses": train_steps(engine, cfg),
+    }
+
+
+def tp_fsdp(cfg: RunConfig) -> dict[str, Any]:
+    """Tensor parallel inside, FSDP across: a 2x2 ("dp", "tp") mesh on 4 ranks.
+
+    Each block's MLP is split Megatron-style on the "tp" dim (fc column-wise, out row-wise: one all-reduce
+    of the output per block, issued by DTensor's functional collectives, which labkit's probe does not
+    see); then `fully_shard` on the "dp" dim shards every parameter's dim 0 again. The two ranks of a tp
+    pair read the same data slice.
+    """
+    info = rank_info()
+    mesh = init_device_mesh(info.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    model = build_model(cfg.model, cfg.seed)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+    dp_mesh: DeviceMesh = mesh["dp"]
+    fsdp2.shard_model(model, cfg, dp_mesh)
+    engine = fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), info.device)
+    block = model.blocks[0]
+    facts = {
+        "mesh_dim_names": mesh.mesh_dim_names,
+        "mesh": mesh.mesh.tolist(),
+        "placements": {
+            name: (str(p.device_mesh.mesh_dim_names), str(p.placements))
+            for name, p in block.named_parameters()
+            if name in ("fc.weight", "out.weight", "qkv.weight")
+        },
+        "fc_local_shape": tuple(block.fc.weight.to_local().shape),
+        "fc_full_shape": tuple(block.fc.weight.shape),
+    }
+    dp_rank = mesh.get_local_rank("dp")
+    facts["losses"] = train_steps(engine, cfg, dp=(dp_rank, 2))
+    return facts
+
+
+def full_state(engine: fsdp2.Fsdp2Engine) -> dict[str, dict[str, torch.Tensor]] | None:
+    """The unsharded model and optimizer state dicts on rank 0, None elsewhere (every rank takes part)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(engine.model, options=options)
+    optim_sd = get_optimizer_state_dict(engine.model, engine.optimizer, options=options)
+    if dist.get_rank() != 0:
+        return None
+    flat_optim = {f"{k}.{s}": v for k, st in optim_sd["state"].items() for s, v in st.items()}
+    return {"model": model_sd, "optimizer": flat_optim}
+
+
+def dcp_save(cfg: RunConfig, path: str, continue_steps: int = 0) -> dict[str, Any]:
+    """Train `cfg.steps` steps, save a sharded distributed checkpoint to `path`; optionally train on.
+
+    Returns the losses, the full state at save time (rank 0) and the losses of `continue_steps` steps
+    trained on without interruption, for a resumed run to reproduce.
+    """
+    engine = _engine(cfg)
+    losses = train_steps(engine, cfg)
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    if dist.get_rank() == 0 and os.path.exists(path):
+        shutil.rmtree(path)
+    dist.barrier()
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    state = full_state(engine)
+    more = RunConfig(**{**cfg.to_dict(), "steps": continue_steps})
+    return {
+        "losses": losses,
+        "state": state,
+        "files": sorted(os.listdir(path)),
+        "continued_losses": train_steps(engine, more, first_step=cfg.steps) if continue_steps else [],
+    }
+
+
+def dcp_load(cfg: RunConfig, path: str, first_step: int, steps: int) -> dict[str, Any]:
+    """Load the checkpoint at `path` into a fresh engine on this world size (DCP reshards), train on.
+
+    Returns the full state right after loading (rank 0) and the losses of `steps` steps from `first_step`.
+    """
+    engine = _engine(cfg)
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+    loaded = full_state(engine)
+    more = RunConfig(**{**cfg.to_dict(), "steps": steps})
+    return {
+        "state": loaded,
+        "losses": train_steps(engine, more, first_step=first_step),
+    }
+
+
+def ignored_params(
+    cfg: RunConfig, names: tuple[str, ...] = ("pos.weight",), sync: bool = False
+) -> dict[str, Any]:
+    """`fully_shard(..., ignored_params=...)`: those parameters stay plain, whole on every rank, unreduced.
+
+    FSDP2 neither shards nor reduces them, so each rank's copy learns from its own slice only and the
+    replicas drift apart, unless the caller all-reduces their gradients itself (`sync=True`, which then
+    matches `single`).
+    """
+    info = rank_info()
+    mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
+    model = build_model(cfg.model, cfg.seed)
+    params = dict(model.named_parameters())
+    ignored = {params[name] for name in names}
+    common = fsdp2.shard_kwargs(cfg, mesh)
+    for block in model.blocks:
+        fully_shard(block, **common)
+    fully_shard(model, ignored_params=ignored, **common)
+    engine = fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), info.device)
+    if sync:
+        for p in ignored:
+            p.register_post_accumulate_grad_hook(_average_grad)
+    losses = train_steps(engine, cfg)
+    first = params[names[0]]
+    copies = [torch.empty_like(first.detach()) for _ in range(info.world_size)]
+    dist.all_gather(copies, first.detach())
+    return {
+        "types": {name: type(params[name]).__name__ for name in names},
+        "is_dtensor": {name: isinstance(params[name], DTensor) for name in names},
+        "shape": tuple(first.shape),
+        "max_abs_diff_between_ranks": max((c - copies[0]).abs().max().item() for c in copies),
+        "losses": losses,
+    }
+
+
+def _average_grad(p: torch.Tensor) -> None:
+    dist.all_reduce(p.grad)
+    p.grad.div_(dist.get_world_size())
+
+
+def compile_sharded(cfg: RunConfig) -> dict[str, Any]:
+    """`torch.compile` the sharded model; time the first (compiling) step and the later ones (seconds).
+
+    Returns `skipped` with a reason instead when inductor cannot build kernels here (no C++ compiler).
+    `graph_breaks` is Dynamo's own count of graph breaks in this process (measured: 0 with torch 2.13, whose
+    Dynamo traces through FSDP2's hooks).
+    """
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return {"skipped": "torch.compile's inductor backend needs a C++ compiler (c++ or $CXX) on PATH"}
+    engine = _engine(cfg)
+    engine.model = torch.compile(engine.model)
+    start_s = time.perf_counter()
+    first = train_steps(engine, RunConfig(**{**cfg.to_dict(), "steps": 1}))
+    compile_step_s = time.perf_counter() - start_s
+    start_s = time.perf_counter()
+    rest = train_steps(engine, RunConfig(**{**cfg.to_dict(), "steps": cfg.steps - 1}), first_step=1)
+    later_step_s = (time.perf_counter() - start_s) / max(1, cfg.steps - 1)
+    graph_breaks = torch._dynamo.utils.counters["graph_break"]
+    return {
+        "losses": first + rest,
+        "first_step_s": compile_step_s,
+        "later_step_s": later_step_s,
+        "graph_breaks": sum(graph_breaks.values()),
+    }
+
+
+def comm_debug_counts(cfg: RunConfig) -> dict[str, int]:
+    """torch's `CommDebugMode` count of each collective op in one fsdp2 step (after one warm-up step).
+
+    It counts calls, not bytes; the names are c10d's (e.g. `_allgather_base_`), to set beside labkit's
+    probe, which counts the same calls by their `torch.distributed` function.
+    """
+    engine = _engine(cfg)
+    train_steps(engine, RunConfig(**{**cfg.to_dict(), "steps": 1}))
+    tokens, targets = batch(1, cfg.model, cfg.seed, dist.get_world_size(), dist.get_rank())
+    mode = CommDebugMode()
+    with mode:
+        engine.backward(engine.forward_loss(tokens, targets))
+        engine.optimizer_step()
+    return {str(op).split(".")[-1]: count for op, count in mode.get_comm_counts().items()}

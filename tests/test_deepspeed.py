@@ -1,0 +1,184 @@
+"""The deepspeed engine against the single-process AdamW oracle, under `labkit.launch` and its launcher.
+
+DeepSpeed's init costs seconds per engine, so each launch builds several engines in turn. Its CPU ops
+(cpu_adam, shm comm) are JIT-built once into ~/.cache/torch_extensions; the generous timeout covers a
+first build on a cold cache.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+
+import pytest
+from engine_helpers import assert_close, reference_losses, train
+
+import labkit
+from labkit.budget import collective_wire_bytes, deepspeed_zero_estimate
+from labkit.engines import deepspeed as dse
+from labkit.engines import loop
+from labkit.engines.base import RunConfig
+from labkit.engines.ds_config import block_numel, ds_config
+from labkit.model import build_model, count_params
+
+TIMEOUT_S = 600  # a cold ~/.cache/torch_extensions builds DeepSpeed's CPU ops first (~3 min)
+BF16_REL = 1e-2  # bf16 compute vs the float32 oracle over 3 steps (measured below 1e-3)
+
+
+def _variants(cases: list[tuple[str, RunConfig]]) -> dict:
+    """Rank side: each case on fresh weights: losses and itemised state, or the error sentence."""
+    out = {}
+    n_params = count_params(build_model())
+    for name, cfg in cases:
+        try:
+            engine = dse.build(cfg, build_model(cfg.model, cfg.seed), loop.rank_info())
+        except ValueError as e:
+            out[name] = {"error": str(e)}
+            continue
+        out[name] = {"losses": train(engine, cfg), "state": dse.itemise_state_bytes(engine, n_params)}
+        if cfg.options.get("comms_logger"):
+            out[name]["comms_logger"] = dse.comms_logger_summary()
+    return out
+
+
+def test_deepspeed_matches_single_with_each_option_on_two_ranks():
+    base = RunConfig(world_size=2, steps=3)
+    cases = {
+        "fp32": replace(base, steps=5, options={"comms_logger": True}),
+        "bf16": replace(base, dtype="bfloat16"),
+        "offload_optimizer": replace(base, offload="cpu"),
+        "offload_all": replace(base, offload="cpu", options={"offload_param": True}),
+        "defaults": replace(base, options={"ds_mode": "defaults"}),
+        "quantized_weights": replace(base, options={"zero_quantized_weights": True}),
+        "quantized_gradients": replace(base, options={"zero_quantized_gradients": True}),
+    }
+    got = labkit.launch(_variants, 2, list(cases.items()), timeout=TIMEOUT_S)[0]
+    for name in ("fp32", "offload_optimizer", "offload_all", "defaults"):
+        assert_close(got[name]["losses"], reference_losses(cases[name]))
+    assert_close(got["bf16"]["losses"], reference_losses(replace(cases["bf16"], dtype="float32")), BF16_REL)
+
+    for flag in ("quantized_weights", "quantized_gradients"):
+        message = got[flag]["error"]
+        assert message.startswith(f"zero_{flag}=True does not run on CPU ranks: ") and "\n" not in message
+
+    # State per rank, in B/param x n: fp32 4 + 4 (master copy) + 4 (grads) + 8 (AdamW) = 20 plus the reduce
+    # bucket (one block's worth) and AdamW's 4-byte step; bf16 2 + 4 + 2 + 8 = 16 plus the bucket.
+    n, n_params = 2, count_params(build_model())
+    for name, grad_bytes, param_bytes in (("fp32", 4, 4), ("bf16", 2, 2)):
+        rows = {(r["state"], r["what"]): r["bytes"] for r in got[name]["state"]}
+        assert rows == {
+            ("params", "partition"): param_bytes * n_params // n,
+            ("grads", "gradient partitions (flat)"): grad_bytes * n_params // n,
+            ("grads", "reduce bucket (flat)"): grad_bytes * block_numel("tiny"),
+            ("optimizer", "fp32 master partition (flat)"): 4 * n_params // n,
+            ("optimizer", "AdamW exp_avg"): 4 * n_params // n,
+            ("optimizer", "AdamW exp_avg_sq"): 4 * n_params // n,
+            ("optimizer", "AdamW step"): 4,
+        }, name
+    # DeepSpeed's defaults keep every parameter of the tiny model (all under 1e5 elements) whole on every
+    # rank, and a reduce bucket of 5e8 elements.
+    rows = {(r["state"], r["what"]): r["bytes"] for r in got["defaults"]["state"]}
+    assert rows[("params", "persistent full copy")] == 4 * n_params
+    assert rows[("grads", "reduce bucket (flat)")] == 4 * 500_000_000
+
+    # DeepSpeed's comms logger: an all-gather's "message" is the input shard, a reduce-scatter's the input.
+    logged = got["fp32"]["comms_logger"]
+    assert logged["all_gather_into_tensor"]["calls"] > 0 and logged["reduce_scatter_tensor"]["calls"] > 0
+
+
+@pytest.mark.parametrize(
+    "n, kw",
+    [
+        (2, {}),
+        (3, {"model": "tiny_uneven"}),
+        (4, {"options": {"zero_hpz_partition_size": 2}}),
+        (2, {"options": {"ds_mode": "defaults"}}),
+        (2, {"dtype": "bfloat16"}),
+    ],
+)
+def test_deepspeed_bytes_through_the_loop_match_the_plan(n, kw):
+    # The comm record is the last step's: from step 2 on DeepSpeed has traced its order (steady state).
+    cfg = replace(RunConfig(world_size=n, steps=3), **kw)
+    record = loop.run("deepspeed", cfg, timeout_s=TIMEOUT_S)
+    unsharded = build_model(cfg.model)
+    rel = BF16_REL if cfg.dtype == "bfloat16" else 1e-4
+    assert_close(record["losses"], reference_losses(replace(cfg, dtype="float32")), rel)
+    comm = record["comm"]
+    assert set(comm) == {"all_gather", "reduce_scatter", "all_reduce"}
+    # The only all-reduce: the 8-byte global gradient norm.
+    assert comm["all_reduce"]["payload_bytes"] == 8
+    predicted = dse.predicted_wire_bytes(unsharded, cfg, n)
+    assert comm["all_gather"]["wire_bytes"] == predicted["all_gather"]
+    assert comm["reduce_scatter"]["wire_bytes"] == predicted["reduce_scatter"]
+    # Against the formula: reduce-scatter (n-1)/n x padded parameter bytes (bf16 runs reduce in bf16).
+    elem_bytes = 2 if cfg.dtype == "bfloat16" else 4
+    padded_bytes = elem_bytes * sum(-(-p.numel() // n) * n for p in unsharded.parameters())
+    once = collective_wire_bytes("all_gather", padded_bytes, n)
+    assert comm["reduce_scatter"]["wire_bytes"] == once
+    if cfg.options.get("ds_mode") == "defaults":
+        # Every parameter is persistent (all under 1e5 elements): gathered once per step, after the optimizer
+        # step, never before backward; the step moves 2/3 of ZeRO-3's 3 x (n-1)/n x parameter bytes.
+        assert comm["all_gather"]["wire_bytes"] == once
+    elif "zero_hpz_partition_size" in cfg.options:
+        # Backward gathers inside pairs from the secondary partition: (1/2) instead of (n-1)/n.
+        assert comm["all_gather"]["wire_bytes"] == once + padded_bytes // 2
+    else:
+        assert comm["all_gather"]["wire_bytes"] == 2 * once
+
+
+def test_memory_estimator_is_deepspeeds_own_arithmetic():
+    model = build_model()
+    est = dse.memory_estimate(model, 4)
+    assert est["bytes_per_param_times_n"] == pytest.approx(18, rel=1e-6)
+    restated = deepspeed_zero_estimate(est["params"], est["largest_layer_params"], num_gpus_per_node=4)
+    assert est["gpu_bytes_per_rank"] == restated["gpu_bytes_per_rank"]
+
+
+def test_config_is_fair_by_default_and_refuses_what_it_cannot_do():
+    zero = ds_config(RunConfig(world_size=2), 2)["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == 0 and zero["stage3_max_live_parameters"] == 1
+    assert ds_config(RunConfig(world_size=2), 2)["gradient_clipping"] == 0.0
+    assert (
+        "stage3_param_persistence_threshold"
+        not in ds_config(RunConfig(), 2, mode="defaults")["zero_optimization"]
+    )
+    with pytest.raises(ValueError, match="ds_mode='nope'"):
+        ds_config(RunConfig(options={"ds_mode": "nope"}), 2)
+    with pytest.raises(ValueError, match="does not divide the global batch"):
+        ds_config(RunConfig(), 5)
+
+
+def test_deepspeed_runs_under_the_deepspeed_launcher(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, sys
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            import labkit
+            from engine_helpers import train
+            from labkit.engines import deepspeed as dse, loop
+            from labkit.engines.base import RunConfig
+            from labkit.model import build_model
+
+            def fn(cfg):
+                return train(dse.build(cfg, build_model(), loop.rank_info()), cfg)
+
+            losses = labkit.launch(fn, 2, RunConfig(world_size=2, steps=3))
+            if os.environ["RANK"] == "0":
+                print("LOSSES", losses[0])
+            """
+        )
+    )
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [launcher, "--num_gpus", "2", str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if "LOSSES" in x)
+    losses = [float(v) for v in line.split("LOSSES", 1)[1].strip(" []").split(",")]
+    assert_close(losses, reference_losses(RunConfig(steps=3)))
