@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("doctor", "budget", "compare")  # modules of labkit.cli, in the order `labkit --help` lists them
+COMMANDS = ("doctor", "budget", "compare", "grade")  # modules of labkit.cli, in the order `labkit --help` lists them
 
 
 class UsageError(Exception):

@@ -1,0 +1,95 @@
+"""Exercise 02: shard a parameter on dim 0 (uneven sizes, zero padding) and rebuild it with an all-gather."""
+
+from __future__ import annotations
+
+from labkit.grading.checks import Check, Exercise, answer, rng, tally, tensor_json, tensor_mismatch
+
+GATHER_RANKS = 3
+LAUNCH_TIMEOUT_S = 60.0
+
+
+def _cases(seed: int, salt: str, world_sizes: tuple[int, ...]) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, world_size) pairs: uneven on purpose, one with fewer rows than ranks, one 1-D."""
+    r = rng(seed, salt)
+    n0 = world_sizes[0]
+    fixed = [((7, 4), n0), ((2, 3), n0), ((5,), n0)]
+    drawn = [((r.randrange(1, 14), r.randrange(1, 6)), r.choice(world_sizes)) for _ in range(2)]
+    return fixed + drawn + [((r.randrange(1, 9), 2, 3), r.choice(world_sizes))]
+
+
+def _full(seed: int, i: int, shape: tuple[int, ...]):
+    import torch
+
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed * 1009 + i))
+
+
+def _shard_probe(ns: dict, seed: int) -> list:
+    fn = answer(ns, "shard_rows")
+    out = []
+    for i, (shape, n) in enumerate(_cases(seed, "shard", (3, 2, 4))):
+        full = _full(seed, i, shape)
+        out.append([tensor_json(fn(full.clone(), r, n)) for r in range(n)])
+    return out
+
+
+def _shard_judge(got: list, seed: int) -> tuple[float, str]:
+    from labkit.zero.sharding import shard_dim0
+
+    cases = []
+    for i, ((shape, n), shards) in enumerate(zip(_cases(seed, "shard", (3, 2, 4)), got, strict=True)):
+        full = _full(seed, i, shape)
+        problems = [
+            f"rank {r}: {why}"
+            for r in range(n)
+            if (why := tensor_mismatch(shards[r] if r < len(shards) else None, shard_dim0(full, r, n)))
+        ]
+        cases.append((not problems, f"shape {list(shape)} on {n} ranks, {problems[0] if problems else ''}"))
+    return tally(cases)
+
+
+def _gather_rank(gather, cases: list, seed: int) -> list:
+    """On each rank: take labkit's own shard of every case, rebuild it with the student's gather."""
+    import torch.distributed as dist
+
+    from labkit.zero.sharding import shard_dim0
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for i, (shape, _) in enumerate(cases):
+        shard = shard_dim0(_full(seed, i, shape), rank, n)
+        out.append(tensor_json(gather(shard, shape[0], n)))
+    return out
+
+
+def _gather_probe(ns: dict, seed: int) -> list:
+    import labkit
+
+    gather = answer(ns, "gather_full")
+    cases = _cases(seed, "gather", (GATHER_RANKS,))
+    return labkit.launch(_gather_rank, GATHER_RANKS, gather, cases, seed, timeout=LAUNCH_TIMEOUT_S)
+
+
+def _gather_judge(got: list, seed: int) -> tuple[float, str]:
+    cases = []
+    for i, (shape, _) in enumerate(_cases(seed, "gather", (GATHER_RANKS,))):
+        full = _full(seed, i, shape)
+        problems = [
+            f"rank {r}: {why}" for r in range(GATHER_RANKS) if (why := tensor_mismatch(got[r][i], full))
+        ]
+        cases.append((not problems, f"shape {list(shape)}, {problems[0] if problems else ''}"))
+    return tally(cases)
+
+
+EXERCISE = Exercise(
+    "ex02_shard",
+    "Shard a parameter on dim 0 and all-gather it back",
+    (
+        Check("shard: this rank's rows, zero-padded to ceil(d0/n)", 3, _shard_probe, _shard_judge),
+        Check(
+            f"gather: the all-gather rebuilds the parameter on {GATHER_RANKS} ranks",
+            3,
+            _gather_probe,
+            _gather_judge,
+        ),
+    ),
+)

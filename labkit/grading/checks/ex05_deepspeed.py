@@ -1,0 +1,144 @@
+"""Exercise 05: DeepSpeed configs for ZeRO-3 offload and for ZeRO++, validated by DeepSpeed's own parser.
+
+`parse` runs `deepspeed.runtime.config.DeepSpeedConfig(config)` as it would run on `world_size` ranks:
+without a process group the parser assumes one rank, so its two questions to `deepspeed.comm` (this rank,
+how many ranks) are answered for the duration of the call. Everything else (unknown keys, types, enums,
+the batch identity train = micro x accumulation x ranks) is DeepSpeed's own validation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from unittest import mock
+
+from labkit.grading.checks import Check, Exercise, answer, rng, tally
+
+_LOCK = threading.Lock()
+
+
+def parse(config: dict, world_size: int):
+    """DeepSpeed's parsed config for `config` on `world_size` ranks; raises DeepSpeed's own error if invalid."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime import config as ds_config
+
+    with (
+        _LOCK,
+        mock.patch.object(ds_config.dist, "get_rank", return_value=0),
+        mock.patch.object(ds_config.dist, "get_world_size", return_value=world_size),
+    ):
+        return ds_config.DeepSpeedConfig(config)
+
+
+def _cases(seed: int) -> list[tuple[int, int, int]]:
+    """(world_size, micro_batch, gpus_per_node)."""
+    r = rng(seed, "configs")
+    return [(4, 2, 8), (r.choice([1, 2, 8, 16]), r.randrange(1, 5), r.choice([2, 4, 8]))]
+
+
+def _json_dict(value) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"the config must be a dict, got {type(value).__name__}")
+    return json.loads(json.dumps(value))
+
+
+def _offload_probe(ns: dict, seed: int) -> list:
+    fn = answer(ns, "offload_config")
+    return [_json_dict(fn(n, micro)) for n, micro, _ in _cases(seed)]
+
+
+def _zeropp_probe(ns: dict, seed: int) -> list:
+    fn = answer(ns, "zeropp_config")
+    return [_json_dict(fn(n, gpn, micro)) for n, micro, gpn in _cases(seed)]
+
+
+def _parsed(configs: list, seed: int) -> list[tuple[tuple[int, int, int], object, str]]:
+    """(case, parsed config or None, DeepSpeed's complaint) for every case."""
+    out = []
+    for case, config in zip(_cases(seed), configs, strict=True):
+        try:
+            out.append((case, parse(config, case[0]), ""))
+        except Exception as e:  # noqa: BLE001 (DeepSpeed raises assertion, pydantic and value errors)
+            complaint = " ".join(str(e).split())[:240]
+            out.append((case, None, f"{type(e).__name__}: {complaint}"))
+    return out
+
+
+def _accepted_judge(got: list, seed: int) -> tuple[float, str]:
+    return tally(
+        [(p is not None, f"world_size={c[0]}: DeepSpeed says {why}") for c, p, why in _parsed(got, seed)]
+    )
+
+
+def _device(section) -> str:
+    device = getattr(section, "device", None) if section is not None else None
+    return str(getattr(device, "value", device))
+
+
+def _offload_judge(got: list, seed: int) -> tuple[float, str]:
+    cases = []
+    for (n, _, _), p, why in _parsed(got, seed):
+        if p is None:
+            cases.append((False, f"world_size={n}: not parsed ({why})"))
+            continue
+        z = p.zero_config
+        seen = (int(z.stage), _device(z.offload_optimizer), _device(z.offload_param))
+        cases.append(
+            (
+                seen == (3, "cpu", "cpu"),
+                f"world_size={n}: stage, optimizer, params on {seen}, want (3, cpu, cpu)",
+            )
+        )
+    return tally(cases)
+
+
+def _batch_judge(got: list, seed: int) -> tuple[float, str]:
+    cases = []
+    for (n, micro, _), p, why in _parsed(got, seed):
+        if p is None:
+            cases.append((False, f"world_size={n}: not parsed ({why})"))
+            continue
+        seen = (p.train_batch_size, p.train_micro_batch_size_per_gpu, p.gradient_accumulation_steps)
+        want = (micro * n, micro, 1)
+        cases.append((seen == want, f"world_size={n}: (train, micro, accumulation) = {seen}, want {want}"))
+    return tally(cases)
+
+
+def _zeropp_judge(got: list, seed: int) -> tuple[float, str]:
+    cases = []
+    for (n, micro, gpn), p, why in _parsed(got, seed):
+        if p is None:
+            cases.append((False, f"world_size={n}: DeepSpeed says {why}"))
+            continue
+        z = p.zero_config
+        seen = (int(z.stage), bool(z.zero_quantized_weights), int(z.zero_hpz_partition_size),
+                bool(z.zero_quantized_gradients), p.train_batch_size)  # fmt: skip
+        want = (3, True, gpn, True, micro * n)
+        cases.append(
+            (
+                seen == want,
+                f"world_size={n}, {gpn} GPUs per node: (stage, qwZ, hpZ, qgZ, train batch) = {seen}, want {want}",
+            )
+        )
+    return tally(cases)
+
+
+EXERCISE = Exercise(
+    "ex05_deepspeed",
+    "DeepSpeed configs for offload and ZeRO++",
+    (
+        Check("offload: DeepSpeed's parser accepts it on n ranks", 2, _offload_probe, _accepted_judge),
+        Check(
+            "offload: ZeRO-3 with optimizer state and parameters on the CPU",
+            2,
+            _offload_probe,
+            _offload_judge,
+        ),
+        Check("offload: train batch = micro batch x n, no accumulation", 1, _offload_probe, _batch_judge),
+        Check("ZeRO++: accepted, with qwZ, hpZ over one node and qgZ", 3, _zeropp_probe, _zeropp_judge),
+    ),
+)

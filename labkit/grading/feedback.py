@@ -1,0 +1,27 @@
+"""`check(exercise_id, globals())`: instant feedback inside the student's notebook.
+
+It runs the same probes and judges as the grader, but in the student's kernel, on whatever that kernel
+holds; it is a convenience, and the official grade never looks at it (the grader re-runs the answer cells
+in a fresh process and judges them in its own). Each call draws new inputs, like the grader does.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from labkit.grading.checks import judge_all, load, probe_all
+from labkit.grading.report import format_points
+
+
+def check(exercise_id: str, namespace: dict, seed: int | None = None) -> None:
+    """Probe the answers in `namespace` (pass `globals()`), judge them, and print one line per check."""
+    exercise = load(exercise_id)
+    seed = secrets.randbelow(2**31) if seed is None else seed
+    entries = judge_all(exercise, probe_all(exercise, namespace, seed), seed)
+    score = sum(e["points"] for e in entries)
+    print(
+        f"{exercise.title}: {format_points(round(score, 2))}/{exercise.max_score} (feedback only; the grader re-runs your answer cells)"
+    )
+    for e in entries:
+        mark = "ok " if e["passed"] else "no "
+        print(f"  {mark} {format_points(e['points'])}/{e['max_points']}  {e['name']}: {e['feedback']}")
