@@ -11,7 +11,13 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("doctor", "budget", "compare", "grade")  # modules of labkit.cli, in the order `labkit --help` lists them
+COMMANDS = (
+    "doctor",
+    "budget",
+    "compare",
+    "grade",
+    "slides",
+)  # modules of labkit.cli, in the order `labkit --help` lists them
 
 
 class UsageError(Exception):
@@ -24,7 +30,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="labkit", description="A teaching lab for ZeRO-3: from scratch, FSDP2 and DeepSpeed.")
+    parser = _Parser(
+        prog="labkit", description="A teaching lab for ZeRO-3: from scratch, FSDP2 and DeepSpeed."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(f"labkit.cli.{name}").register(sub)

@@ -1,0 +1,58 @@
+"""`labkit slides [--out DIR] [--notebooks DIR] [--execute]`: a reveal.js deck per notebook (see labkit.slides)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "slides",
+        help="build a reveal.js deck per course notebook and an index page (viewable offline)",
+        description="Build DIR/NN_name.slides.html for every notebooks/NN_*.ipynb and DIR/index.html. Cells "
+        "tagged notebook-only are dropped; reveal.js is copied beside the decks, so nothing is fetched when "
+        "they are viewed. By default the notebooks are converted as they are (committed ones carry no "
+        "outputs); --notebooks points at executed copies, --execute runs each one first (minutes).",
+    )
+    p.add_argument("--out", metavar="DIR", default="slides", help="output folder (default: ./slides)")
+    p.add_argument(
+        "--notebooks",
+        metavar="DIR",
+        default=None,
+        help="folder of NN_*.ipynb (default: the checkout's notebooks/)",
+    )
+    p.add_argument("--execute", action="store_true", help="execute each notebook before converting it")
+    p.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=600.0,
+        help="per notebook, with --execute (default 600)",
+    )
+    p.add_argument(
+        "--reveal-url-prefix",
+        metavar="URL",
+        default=None,
+        help="load reveal.js from URL instead of the vendored copy placed beside the decks",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from labkit.cli import UsageError
+
+    if args.timeout <= 0:
+        raise UsageError(
+            f"labkit slides: --timeout must be a positive number of seconds; got {args.timeout:g}"
+        )
+    from labkit.slides import build
+
+    decks = build(
+        args.out,
+        args.notebooks,
+        execute=args.execute,
+        timeout_s=args.timeout,
+        reveal_url_prefix=args.reveal_url_prefix,
+    )
+    print(f"{len(decks)} decks and index.html in {args.out}")
+    return 0

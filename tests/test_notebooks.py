@@ -1,0 +1,317 @@
+"""The course notebooks: committed clean, executed headless, their key outputs checked, built into slides.
+
+Every notebook in notebooks/ is executed once per session with papermill (kernel `python3`, cwd notebooks/,
+a per-notebook timeout); the tests below read the executed copies. Their wall times are printed at the end
+of the session (and written to `notebook_times.json` in the session's temporary folder). The cells tagged
+`nbval-check-output` (deterministic budget cells) are then re-run by nbval (`--nbval-lax`) in a fresh
+kernel against the papermill run's outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit import budget
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+ALL = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+TIMEOUT_S = {"default": 420}  # per notebook, seconds (the slowest take ~2 min on a loaded 2-core laptop)
+CHECK_TAG = "nbval-check-output"
+
+_times: dict[str, float] = {}
+
+
+def _text(nb: nbformat.NotebookNode) -> str:
+    """Every stream, plain-text and error output of an executed notebook, joined."""
+    out = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            if o.output_type == "stream":
+                out.append(o.text)
+            elif o.output_type in ("execute_result", "display_data"):
+                out.append(o.get("data", {}).get("text/plain", ""))
+            elif o.output_type == "error":
+                out.append(f"{o.ename}: {o.evalue}")
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="session")
+def executed(tmp_path_factory, request):
+    """{name: executed notebook}, each run lazily with papermill the first time a test asks for it."""
+    import papermill as pm
+
+    out_dir = tmp_path_factory.mktemp("executed")
+    cache: dict[str, nbformat.NotebookNode] = {}
+
+    def get(name: str) -> nbformat.NotebookNode:
+        if name not in cache:
+            start_s = time.perf_counter()
+            pm.execute_notebook(
+                str(NOTEBOOKS / name),
+                str(out_dir / name),
+                kernel_name="python3",
+                cwd=str(NOTEBOOKS),
+                progress_bar=False,
+                execution_timeout=TIMEOUT_S.get(name, TIMEOUT_S["default"]),
+            )
+            _times[name] = time.perf_counter() - start_s
+            cache[name] = nbformat.read(out_dir / name, as_version=4)
+        return cache[name]
+
+    def report():
+        if not _times:
+            return
+        (out_dir / "notebook_times.json").write_text(json.dumps(_times, indent=1))
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"  {name:<32} {s:6.1f} s" for name, s in _times.items()]
+        lines.append(f"  {'total':<32} {sum(_times.values()):6.1f} s")
+        if reporter is not None:
+            reporter.write_line("\nnotebook wall times (papermill):\n" + "\n".join(lines))
+
+    request.addfinalizer(report)
+    get.out_dir = out_dir
+    return get
+
+
+# ------------------------------------------------------------------------------------------ committed state
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_committed_notebook_is_clean_and_has_parameters_and_slides(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    for i, cell in enumerate(nb.cells):
+        assert "slideshow" in cell.metadata, f"{name} cell {i} has no slideshow metadata"
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"{name} cell {i} has outputs: strip them before committing"
+            assert cell.execution_count is None, f"{name} cell {i} has an execution count"
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{name} needs exactly one papermill `parameters` cell"
+    assert re.search(r"^world_size\s*=", tagged[0].source, re.M), (
+        f"{name}: parameters cell sets no world_size"
+    )
+    assert nb.cells[0].cell_type == "markdown" and "How long" in nb.cells[0].source
+
+
+def test_course_has_notebooks_00_to_07():
+    assert [n[:2] for n in ALL] == [f"{i:02d}" for i in range(8)]
+
+
+# ------------------------------------------------------------------------------------------ execution
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_notebook_runs_without_error(executed, name):
+    nb = executed(name)
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors, f"{name}: {errors[0].ename}: {errors[0].evalue}"
+
+
+def test_01_ratios_and_budget(executed):
+    text = _text(executed("01_memory.ipynb"))
+    ratios = [float(x) for x in re.findall(r"^\s*\w+\s+[\d,]+\s+[\d,]+\s+(\d\.\d{3})$", text, re.M)]
+    assert ratios and all(1.0 <= r < 1.6 for r in ratios), ratios
+    p = budget.plan(30e9, 256, "zero3")
+    assert f"zero3: {budget.format_bytes(p['state_bytes_per_rank'])} per rank" in text
+    assert budget.format_bytes(p["static_bytes_total"]) in text
+
+
+def test_02_loss_equality_and_bytes_formula(executed):
+    text = _text(executed("02_zero3_from_scratch.ipynb"))
+    worst = float(re.search(r"largest relative difference: (\S+)", text).group(1))
+    assert worst < 1e-4
+    ratios = re.findall(r"ratio (\d\.\d{4})", text)
+    assert ratios and set(ratios) == {"1.0000"}, ratios
+
+
+def test_03_scale_model_is_budgets(executed):
+    text = _text(executed("03_prefetch_overlap.ipynb"))
+    big = budget.plan(30e9, 256, "zero3", tokens_per_rank=16384, link_gbytes=50, peak_tflops=989, mfu=0.4)
+    assert f"{budget.format_bytes(big['traffic_bytes_per_rank'])}" in text
+    assert f"{big['comm_time_s']:.2f} s" in text and f"{big['compute_time_s']:.2f} s" in text
+
+
+def test_04_offload_scale_model_and_measured(executed):
+    text = _text(executed("04_offload.ipynb"))
+    p = budget.plan(70e9, 8, "zero3", offload_optimizer="cpu", layers=80, largest_layer_params=int(70e9 / 80))
+    assert f"{budget.format_bytes(p['gpu_bytes_per_rank'])}" in text
+    assert "ZeRO-3, nothing offloaded              does NOT fit" in text
+    rows = dict(re.findall(r"^(scratch(?:, offload)?)\s+[\d,]+\s+([\d,]+)", text, re.M))
+    assert int(rows["scratch, offload"].replace(",", "")) == 0 < int(rows["scratch"].replace(",", ""))
+    assert "largest relative loss difference to the scratch run: 0.0e+00" in text
+
+
+def test_05_fsdp2_features(executed):
+    text = _text(executed("05_fsdp2_surface.ipynb"))
+    assert "(Shard(dim=0),)" in text and "(Replicate(), Shard(dim=0))" in text
+    assert text.count(": True") >= 4  # every block's all-gather at its policy's width
+    diffs = [float(x) for x in re.findall(r"largest relative difference to single (\S+)", text)]
+    assert len(diffs) >= 5 and max(diffs) < 5e-3, diffs  # bf16 blocks: bf16 rounding; fp32 runs: ~1e-7
+    assert re.search(r"largest weight difference 0\.0e\+00", text)
+    resumed = re.search(r"uninterrupted: (\[.*\])\nresumed      : (\[.*\])", text)
+    before, after = (json.loads(resumed.group(i)) for i in (1, 2))
+    assert max(abs(a - b) / b for a, b in zip(before, after, strict=True)) < 1e-5, (before, after)
+    assert "1 pre_forward lines" not in text.split("root only")[0]  # the correct wrap logs every block
+    assert "all-gathers in the step: 1, " in text and "= 100% of the model's parameters" in text
+
+
+def test_06_deepspeed_knobs_and_scale(executed):
+    text = _text(executed("06_deepspeed_surface.ipynb"))
+    assert '"stage": 3' in text
+    fair = re.search(r"^fair\s+(\d+)\s+([\d,]+)\s+([\d,]+)", text, re.M)
+    assert fair and fair.group(2) == fair.group(3), "fair DeepSpeed all-gather bytes == its formula"
+    plain = budget.plan(30e9, 256, "zero3")["traffic_bytes_by_link"]["inter_node"]
+    allthree = budget.plan(30e9, 256, "zero3", qwz=True, hpz=True, qgz=True)["traffic_bytes_by_link"][
+        "inter_node"
+    ]
+    assert f"({plain / allthree:.2f}x less)" in text
+    assert "over ranks (0, 1)" in text  # hpZ's backward all-gather inside the emulated node
+
+
+def test_07_table_and_scale_numbers_are_budgets(executed):
+    text = _text(executed("07_head_to_head.ipynb"))
+    for engine in ("scratch", "fsdp2", "deepspeed"):
+        row = re.search(rf"^{engine}\s+\S+\s+(\S+)", text, re.M)
+        assert row and float(row.group(1)) < 1e-4, f"{engine} loss must match single"
+    h = budget.plan(30e9, 512, "hsdp", group_size=8)
+    f = budget.plan(30e9, 512, "zero3")
+    assert (
+        f"each rank holds 1/{h['shard_ways']['weights']} of the state ({budget.format_bytes(h['state_bytes_per_rank'])})"
+        in text
+    )
+    assert f"1/{f['shard_ways']['weights']} ({budget.format_bytes(f['state_bytes_per_rank'])})" in text
+    assert f"{h['copies_in_cluster']['weights']} copies of the model" in text
+    assert "<details" in "".join(
+        o.get("data", {}).get("text/html", "")
+        for c in executed("07_head_to_head.ipynb").cells
+        for o in c.get("outputs", [])
+    )
+
+
+def test_deterministic_budget_cells_reproduce_under_nbval(executed, tmp_path):
+    """nbval --nbval-lax re-runs each notebook's `nbval-check-output` cells (and its parameters) in a fresh
+    kernel and compares their outputs with the papermill run's: the budget cells are deterministic."""
+    checked = []
+    for name in ALL:
+        committed = nbformat.read(NOTEBOOKS / name, as_version=4)
+        if not any(CHECK_TAG in c.metadata.get("tags", []) for c in committed.cells):
+            continue
+        nb = executed(name)
+        keep = [
+            c
+            for c in nb.cells
+            if c.cell_type == "code"
+            and {"parameters", "injected-parameters", CHECK_TAG} & set(c.metadata.get("tags", []))
+        ]
+        if not any(CHECK_TAG in c.metadata.get("tags", []) for c in keep):
+            continue
+        sub = nbformat.v4.new_notebook(cells=keep, metadata=nb.metadata)
+        path = tmp_path / name
+        nbformat.write(sub, path)
+        checked.append(path)
+    assert checked, "no notebook has nbval-check-output cells"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax", *map(str, checked)],
+        cwd=NOTEBOOKS, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------ slides
+
+
+def _expected_sections(nb: nbformat.NotebookNode) -> tuple[int, int]:
+    """(slides, subslides) a deck of `nb` should have: the first shown cell opens a slide, then every
+    `slide` cell opens one and every `subslide` cell a vertical one; `notebook-only` cells are dropped."""
+    slides = subslides = 0
+    for cell in nb.cells:
+        if "notebook-only" in cell.metadata.get("tags", []):
+            continue
+        kind = cell.metadata.get("slideshow", {}).get("slide_type", "-")
+        if kind == "skip":
+            continue
+        if slides == 0 or kind == "slide":
+            slides += 1
+            subslides += 1
+        elif kind == "subslide":
+            subslides += 1
+    return slides, subslides
+
+
+def _count_sections(deck: str) -> tuple[int, int]:
+    """(top-level, innermost) <section>s of a reveal deck: reveal nests a slide's vertical subslides."""
+    depth, top, inner = 0, 0, 0
+    for tag in re.findall(r"<(/?)section\b", deck):
+        if tag == "":
+            depth += 1
+            top += depth == 1
+            inner += depth == 2
+        else:
+            depth -= 1
+    return top, inner
+
+
+def test_slides_build_one_deck_per_notebook_offline(tmp_path):
+    from labkit.cli import main
+
+    assert main(["slides", "--out", str(tmp_path)]) == 0
+    decks = sorted(p.name for p in tmp_path.glob("*.slides.html"))
+    assert decks == [n.replace(".ipynb", ".slides.html") for n in ALL]
+    index = (tmp_path / "index.html").read_text()
+    assert all(f'href="{d}"' in index for d in decks)
+    assert (tmp_path / "reveal.js" / "dist" / "reveal.js").is_file() and (tmp_path / "require.js").is_file()
+    for deck in decks:
+        text = (tmp_path / deck).read_text()
+        remote = re.findall(r"""(?:src|href)=["'](https?:[^"']+)""", text) + re.findall(
+            r"""require\(\s*\{[^}]*\}\s*,\s*\[\s*"(https?:[^"]+)""", text
+        )
+        assert not remote, f"{deck} would fetch {remote[:3]} at view time"
+
+
+def test_slides_count_matches_cell_metadata(tmp_path):
+    from labkit.slides import build
+
+    name = "03_prefetch_overlap.ipynb"  # has a notebook-only cell to drop
+    work = tmp_path / "nbs"
+    work.mkdir()
+    (work / name).write_bytes((NOTEBOOKS / name).read_bytes())
+    (deck,) = build(tmp_path / "out", work, log=lambda *_: None)
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    assert _count_sections(deck.read_text()) == _expected_sections(nb)
+    assert "interact_manual" not in deck.read_text()  # the notebook-only widget cell is gone
+
+
+def test_slides_cli_rejects_a_missing_folder(tmp_path, capsys):
+    from labkit.cli import main
+
+    assert main(["slides", "--out", str(tmp_path), "--notebooks", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--notebooks" in err[0]
+
+
+def test_slides_show_a_widgets_static_fallback():
+    from labkit.slides import slides_html
+
+    cell = nbformat.v4.new_code_cell("calculator", metadata={"slideshow": {"slide_type": "slide"}})
+    png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII="
+    cell.outputs = [
+        nbformat.v4.new_output(
+            "display_data",
+            data={
+                "application/vnd.jupyter.widget-view+json": {"model_id": "x"},
+                "image/png": png,
+                "text/plain": "c",
+            },
+        )
+    ]
+    deck = slides_html(nbformat.v4.new_notebook(cells=[cell]))
+    assert "widget-view" not in deck and f"data:image/png;base64,{png}" in deck
