@@ -16,38 +16,23 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from labkit.engines.base import RankInfo, RunConfig, adamw
-from labkit.engines.single import autocast, state_tensors
-from labkit.model import loss_fn
+from labkit.engines.base import RankInfo, RunConfig
+from labkit.engines.single import SingleEngine, state_tensors
 
 NAME = "ddp"
 
 
-class DdpEngine:
-    """One DDP replica and its AdamW (same hyper-parameters as `single`)."""
+class DdpEngine(SingleEngine):
+    """One DDP replica and its AdamW: `single`'s step, on a DDP-wrapped model."""
 
     name = NAME
 
     def __init__(self, model: nn.Module, cfg: RunConfig, info: RankInfo):
         model = model.to(info.device)
         device_ids = [info.device.index] if info.device.type == "cuda" else None
-        self.model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-        self.model.register_comm_hook(None, default_hooks.allreduce_hook)
-        self.optimizer = adamw(self.model.parameters(), cfg)
-        self.device = info.device
-        self.bf16 = cfg.dtype == "bfloat16"
-
-    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with autocast(self.device, self.bf16):
-            logits = self.model(tokens)
-        return loss_fn(logits.float(), targets)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)  # keep the grads as bucket views
+        ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        super().__init__(ddp, cfg, info.device)  # zero_grad(set_to_none=False) keeps grads as bucket views
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         return state_tensors(self.model.module, self.optimizer)
