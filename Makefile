@@ -1,5 +1,6 @@
 # labkit: `make lab` sets everything up and starts JupyterLab on notebooks/; `make test` sets up and tests.
-# The set-up runs once: a stamp in the venv remembers it until requirements.txt or pyproject.toml change.
+# The set-up runs once: a stamp in the venv remembers it until requirements.txt, pyproject.toml or binder/apt.txt change.
+# `make test` also installs the test suite's Debian packages (tests/apt.txt: Chromium) before it runs pytest.
 #   make lab PORT=8899 ARGS="--no-browser"    make test PYTEST_ARGS="-x tests/test_setup.py"
 
 PYTHON      ?= $(shell command -v python3.11 || command -v python3)
@@ -24,6 +25,7 @@ lab: setup
 	$(VENV)/bin/jupyter lab --notebook-dir notebooks --port $(PORT) $(ROOT) $(ARGS)
 
 test: setup
+	scripts/install-debian-packages binder/apt.txt tests/apt.txt
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Side-by-side engine benchmarks (not part of the test suite): medians and ratios into benchmarks/results.md.
@@ -39,7 +41,10 @@ setup: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): requirements.txt pyproject.toml | $(PY)
+# Debian packages first (binder/apt.txt: libaio for DeepSpeed's NVMe offload; only a warning when this user
+# cannot install them), so that the prebuild finds them.
+$(STAMP): requirements.txt pyproject.toml binder/apt.txt | $(PY)
+	scripts/install-debian-packages --optional binder/apt.txt
 	$(PIP) install "$(TORCH)"
 	$(PIP) install -r requirements.txt
 	$(PIP) install --no-deps -e .

@@ -27,7 +27,7 @@ from torch import nn
 import labkit
 from labkit import budget
 from labkit.engines.base import RunConfig, adamw
-from labkit.engines.loop import TIMELINE_STEPS, rank_info, ranks_for, train_rank, validate
+from labkit.engines.loop import merge_ranks, rank_info, ranks_for, train_rank, validate
 from labkit.model import batch, build_model, count_params, loss_fn
 from labkit.probes import Probes
 
@@ -69,20 +69,6 @@ def _train_runs(runs: Sequence[tuple[str, RunConfig, dict[str, Any] | None]]) ->
             out.append(train_rank(engine, cfg))
         dist.barrier()
     return out
-
-
-def merge_ranks(ranks: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """The per-engine record of `labkit compare` from each rank's `train_rank` result (as `loop.run` does)."""
-    first_kept = max(0, steps - TIMELINE_STEPS)
-    return {
-        "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(steps)],
-        "step_time_s": [max(r["step_time_s"][i] for r in ranks) for i in range(steps)],
-        "state_bytes": ranks[0]["state_bytes"],
-        "peak_mem_bytes": [r["peak_mem_bytes"] for r in ranks],
-        "comm": ranks[0]["comm"][-1],
-        "collective_calls": ranks[0]["collective_calls"],
-        "timeline": [e for r in ranks for e in r["timeline"] if e["step"] >= first_kept],
-    }
 
 
 def run_many(

@@ -30,6 +30,7 @@ CPU_OPS = (
     ("ShareMemCommBuilder", "deepspeed_shm_comm"),  # deepspeed.comm on the CPU accelerator, at init
     ("FusedAdamBuilder", "fused_adam"),  # the optimizer of a ZeRO-3 config {"type": "AdamW"}
     ("CPUAdamBuilder", "cpu_adam"),  # DeepSpeedCPUAdam, with "offload_optimizer": {"device": "cpu"}
+    ("AsyncIOBuilder", "async_io"),  # NVMe offload (ZeRO-Infinity); needs libaio (Debian's libaio-dev)
 )
 PTH_NAME = "labkit-torch-extensions.pth"
 NINJA_DIR = os.path.join("share", "labkit", "bin")  # under sys.prefix: holds only a link to ninja
@@ -102,6 +103,14 @@ def lock_holders(lock_path: str) -> list[int] | None:
     return None if blind and not holders else holders
 
 
+def libaio_available() -> bool:
+    """True when libaio's header and library are installed (what DeepSpeed's async_io op compiles against)."""
+    import ctypes.util
+
+    headers = ("/usr/include/libaio.h", os.path.join(sys.prefix, "include", "libaio.h"))
+    return any(os.path.exists(h) for h in headers) and ctypes.util.find_library("aio") is not None
+
+
 def op_status(name: str, ext_dir: str | None = None) -> OpStatus:
     """Where op `name` stands, read from its build folder; builds nothing and creates nothing."""
     build_dir = os.path.join(ext_dir or extensions_dir(), name)
@@ -109,6 +118,8 @@ def op_status(name: str, ext_dir: str | None = None) -> OpStatus:
     lock = os.path.join(build_dir, "lock")
     if name == "deepspeed_shm_comm" and not sys.platform.startswith("linux"):
         return OpStatus(name, "skipped", build_dir, library, [])  # DeepSpeed falls back to gloo there
+    if name == "async_io" and not libaio_available():
+        return OpStatus(name, "skipped", build_dir, library, [])  # NVMe offload is then refused, saying why
     if os.path.exists(lock):
         holders = lock_holders(lock)
         if holders is None:  # cannot see who holds it: trust a young lock, distrust an old one

@@ -182,3 +182,50 @@ def test_deepspeed_runs_under_the_deepspeed_launcher(tmp_path):
     line = next(x for x in done.stdout.splitlines() if "LOSSES" in x)
     losses = [float(v) for v in line.split("LOSSES", 1)[1].strip(" []").split(",")]
     assert_close(losses, reference_losses(RunConfig(steps=3)))
+
+
+def _nvme_rank(cfg: RunConfig) -> dict:
+    engine = dse.build(cfg, build_model(cfg.model, cfg.seed), loop.rank_info())
+    losses = train(engine, cfg)
+    rows = {(r["state"], r["what"]): r["bytes"] for r in dse.itemise_state_bytes(engine, 1)}
+    files = engine.swap_file_bytes()
+    return {"losses": losses, "rows": rows, "files": files, "swap_dir": engine.swap_dir}
+
+
+def test_nvme_offload_keeps_the_optimizer_state_in_files_and_the_losses():
+    # `small`: on `tiny` every partition is under DeepSpeed's 1 MiB swap minimum and NVMe changes nothing.
+    cfg = RunConfig(model="small", world_size=2, steps=2, offload="nvme", options={"offload_param": True})
+    got = labkit.launch(_nvme_rank, 2, cfg, timeout=TIMEOUT_S)
+    assert_close(got[0]["losses"], reference_losses(cfg))
+    n_params, n = count_params(build_model("small")), 2
+    for rank in got:
+        # In memory between steps: no fp32 master partition, no moments; in this rank's files: the master
+        # partition and both moments (12 B/param / n) at least.
+        assert rank["rows"][("optimizer", "fp32 master partition (flat)")] == 0
+        assert (
+            rank["rows"][("optimizer", "AdamW exp_avg")]
+            == rank["rows"][("optimizer", "AdamW exp_avg_sq")]
+            == 0
+        )
+        assert rank["files"]["optimizer"] >= 12 * n_params // n
+    # The swap folder lived inside the launch's run folder and went with it.
+    swap_dir = got[0]["swap_dir"]
+    assert os.path.basename(os.path.dirname(swap_dir)).startswith("labkit-launch-")
+    assert not os.path.exists(swap_dir)
+
+
+def test_nvme_config_and_its_refusals():
+    zero = ds_config(RunConfig(offload="nvme", options={"nvme_path": "/x"}), 2)
+    assert zero["zero_optimization"]["offload_optimizer"] == {
+        "device": "nvme",
+        "pin_memory": False,
+        "nvme_path": "/x",
+    }
+    # The aio block exceeds the largest fp32 gradient partition (small: 1,572,864 elements / 2 ranks x 4 B).
+    assert (
+        zero["aio"]["block_size"] == 2**20
+        and ds_config(RunConfig(model="small", offload="nvme"), 2)["aio"]["block_size"] == 4 * 2**20
+    )
+    with pytest.raises(ValueError, match="only the deepspeed engine swaps to files"):
+        loop.validate(["single", "fsdp2"], RunConfig(offload="nvme"))
+    loop.validate(["single", "deepspeed"], RunConfig(offload="nvme"))

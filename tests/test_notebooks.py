@@ -148,6 +148,9 @@ def test_04_offload_scale_model_and_measured(executed):
     rows = dict(re.findall(r"^(scratch(?:, offload)?)\s+[\d,]+\s+([\d,]+)", text, re.M))
     assert int(rows["scratch, offload"].replace(",", "")) == 0 < int(rows["scratch"].replace(",", ""))
     assert "largest relative loss difference to the scratch run: 0.0e+00" in text
+    # ZeRO-Infinity for real: the master partition and both moments (12 B/param / n) in rank 0's files.
+    assert re.search(r"swap files, optimizer: [\d,]+ B = 12\.\d B/param / n", text)
+    assert float(re.search(r"difference to single: (\S+)", text).group(1)) < 1e-5
 
 
 def test_05_fsdp2_features(executed):

@@ -157,14 +157,15 @@ def _dry_run(workdir: Path) -> str:
 @pytest.fixture
 def fake_checkout(tmp_path: Path) -> Path:
     """The Makefile and its inputs beside a stand-in venv, so `make -n` can be read without touching .venv."""
-    for name in ("Makefile", "requirements.txt", "pyproject.toml"):
+    for name in ("Makefile", "requirements.txt", "pyproject.toml", "binder/apt.txt", "tests/apt.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     python = tmp_path / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text("#!/bin/sh\nexit 0\n")
     python.chmod(0o755)
     old = time.time() - 100
-    for name in ("Makefile", "requirements.txt", "pyproject.toml", ".venv/bin/python"):
+    for name in ("Makefile", "requirements.txt", "pyproject.toml", "binder/apt.txt", ".venv/bin/python"):
         os.utime(tmp_path / name, (old, old))
     return tmp_path
 
@@ -172,6 +173,10 @@ def fake_checkout(tmp_path: Path) -> Path:
 def test_first_make_test_installs_torch_first_then_builds_ops_and_kernel(fake_checkout: Path):
     lines = _dry_run(fake_checkout).splitlines()
     installs = [i for i, ln in enumerate(lines) if "pip install" in ln]
+    # Debian packages (libaio for NVMe offload) before the prebuild that compiles against them; the test
+    # suite's own (Chromium) before pytest.
+    assert lines[0] == "scripts/install-debian-packages --optional binder/apt.txt"
+    assert "scripts/install-debian-packages binder/apt.txt tests/apt.txt" in lines[-2]
     assert 'pip install "torch==2.13.0"' in lines[installs[0]]
     assert "-r requirements.txt" in lines[installs[1]]
     assert "--no-deps -e ." in lines[installs[2]]
@@ -183,7 +188,10 @@ def test_stamp_makes_a_second_make_test_do_no_install_work(fake_checkout: Path):
     stamp = fake_checkout / ".venv" / ".labkit-setup"
     stamp.touch()
     lines = [ln.strip() for ln in _dry_run(fake_checkout).splitlines()]
-    assert lines == [".venv/bin/python -m pytest"], lines
+    assert lines == [
+        "scripts/install-debian-packages binder/apt.txt tests/apt.txt",
+        ".venv/bin/python -m pytest",
+    ], lines
     later = time.time() + 5
     os.utime(fake_checkout / "requirements.txt", (later, later))  # a changed pin redoes the set-up
     assert "pip install -r requirements.txt" in _dry_run(fake_checkout)
@@ -261,3 +269,12 @@ def test_pin_writes_a_pth_that_every_python_of_the_env_reads(tmp_path: Path):
     mine = subprocess.run([python, "-c", read], env={**base, "TORCH_EXTENSIONS_DIR": "/elsewhere"},
                           capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
     assert mine.stdout.split("\n")[0] == "/elsewhere", "a TORCH_EXTENSIONS_DIR set by the user wins"
+
+
+def test_debian_packages_script_does_nothing_when_all_are_installed(tmp_path: Path):
+    listing = tmp_path / "apt.txt"
+    listing.write_text("# always there on Debian\ndpkg coreutils\n")
+    out = subprocess.run(
+        [ROOT / "scripts" / "install-debian-packages", listing], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout == "" and out.stderr == ""

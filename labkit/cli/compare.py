@@ -64,7 +64,12 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="tiny", help="a model of labkit.model.CONFIGS, e.g. tiny")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-prefetch", action="store_true", help="sharded engines: no all-gather ahead of use")
-    p.add_argument("--offload", choices=("none", "cpu"), default="none", help="optimizer state on the host")
+    p.add_argument(
+        "--offload",
+        choices=("none", "cpu", "nvme"),
+        default="none",
+        help="optimizer state on the host (cpu) or, deepspeed only, in swap files (nvme)",
+    )
     p.add_argument(
         "--link-gbytes", type=_positive_float, default=None, help="emulated link of X GB/s per rank"
     )

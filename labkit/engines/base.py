@@ -31,7 +31,7 @@ class RunConfig:
     weight_decay: float = 0.1
     prefetch: bool = True
     reshard_after_forward: bool = True
-    offload: str = "none"  # "none" or "cpu" (optimizer state on the host)
+    offload: str = "none"  # "none", "cpu" (optimizer state on the host) or "nvme" (deepspeed: in files)
     link_gbytes: float | None = None  # emulated link bandwidth (GB/s, 1 GB = 1e9 B); None: no emulation
     options: dict[str, Any] = field(default_factory=dict)  # engine-specific extras, documented per engine
 

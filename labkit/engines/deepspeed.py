@@ -13,6 +13,7 @@ the `deepspeed`/`torchrun` launchers alike. Options are `RunConfig` fields plus 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import deepspeed
@@ -47,14 +48,30 @@ def refuse_cuda_only_flags(cfg: RunConfig) -> None:
             )
 
 
+def refuse_nvme_without_async_io(cfg: RunConfig) -> None:
+    """Raise one sentence for NVMe offload when DeepSpeed's async_io op was not built at set-up."""
+    if cfg.offload != "nvme":
+        return
+    from labkit import prebuild
+
+    status = prebuild.op_status("async_io").status
+    if status != "built":
+        why = "libaio is not installed" if status == "skipped" else f"the async_io op is {status}"
+        raise ValueError(
+            f"offload='nvme' needs DeepSpeed's async_io op, and {why}: run "
+            "`scripts/install-debian-packages binder/apt.txt` (libaio-dev), then `python -m labkit.prebuild`"
+        )
+
+
 class DeepSpeedEngine:
     """One rank of the deepspeed engine: the `DeepSpeedEngine` DeepSpeed returned, driven step by step."""
 
     name = NAME
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, swap_dir: str | None = None):
         self.engine = engine
         self.device = engine.device
+        self.swap_dir = swap_dir  # NVMe offload's folder (`nvme_path`), None without it
 
     def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.engine(tokens.to(self.device))
@@ -65,6 +82,23 @@ class DeepSpeedEngine:
 
     def optimizer_step(self) -> None:
         self.engine.step()  # also zeroes the gradients DeepSpeed holds
+
+    def swap_file_bytes(self) -> dict[str, int]:
+        """Bytes this rank keeps in NVMe-offload swap files, per kind ("optimizer", "params"); {} without NVMe.
+
+        DeepSpeed writes `<nvme_path>/zero_stage_3/<kind>/rank<r>/*.swp`: "optimizer" holds the flat fp32
+        master partition with AdamW's moments (and gradient pieces of at least one aio block), the params
+        folder (named after the parameter dtype) the partitions of parameters of at least one block.
+        """
+        if self.swap_dir is None:
+            return {}
+        root, rank = os.path.join(self.swap_dir, "zero_stage_3"), f"rank{dist.get_rank()}"
+        out: dict[str, int] = {}
+        for kind in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+            folder = os.path.join(root, kind, rank)
+            files = [os.path.join(folder, f) for f in os.listdir(folder)] if os.path.isdir(folder) else []
+            out["optimizer" if kind == "optimizer" else "params"] = sum(os.path.getsize(f) for f in files)
+        return out
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank keeps between steps; see `itemise_state_bytes` for the bytes of each entry."""
@@ -209,6 +243,8 @@ def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> DeepSpeedEng
     DeepSpeed re-points the AdamW at its flat fp32 partition, so the optimizer's state is 1/n of the model.
     """
     refuse_cuda_only_flags(cfg)
+    refuse_nvme_without_async_io(cfg)
     config = ds_config(cfg, rank_info.world_size)
     engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters(), cfg), config=config)
-    return DeepSpeedEngine(engine)
+    swap_dir = config["zero_optimization"].get("offload_optimizer", {}).get("nvme_path")
+    return DeepSpeedEngine(engine, swap_dir)

@@ -85,8 +85,13 @@ def validate(engines: Sequence[str], cfg: RunConfig) -> None:
         raise ValueError(f"steps={cfg.steps!r}: pass 1 or more steps")
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={cfg.dtype!r}: pass 'float32' or 'bfloat16'")
-    if cfg.offload not in ("none", "cpu"):
-        raise ValueError(f"offload={cfg.offload!r}: pass 'none' or 'cpu'")
+    if cfg.offload not in ("none", "cpu", "nvme"):
+        raise ValueError(f"offload={cfg.offload!r}: pass 'none', 'cpu' or 'nvme'")
+    if cfg.offload == "nvme" and set(engines) - {"deepspeed", *SINGLE_RANK_ENGINES}:
+        raise ValueError(
+            "offload='nvme' is DeepSpeed's ZeRO-Infinity: only the deepspeed engine swaps to files; "
+            "run the others with offload='cpu'"
+        )
     if cfg.link_gbytes is not None and not cfg.link_gbytes > 0:
         raise ValueError(
             f"link_gbytes={cfg.link_gbytes!r}: pass a bandwidth above 0 GB/s, or None for no link"
@@ -151,6 +156,7 @@ def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
             losses.append(train_step(eng, step))
             step_times_s.append(time.perf_counter() - start_s)
         state = state_bytes(eng.state_tensors())
+        swapped = eng.swap_file_bytes() if hasattr(eng, "swap_file_bytes") else {}  # deepspeed's NVMe files
         probes.memory.start(t for ts in eng.state_tensors().values() for t in ts)
         train_step(eng, cfg.steps)
         peak_mem_bytes = probes.memory.stop()
@@ -160,6 +166,7 @@ def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
         "losses": losses,
         "step_time_s": step_times_s,
         "state_bytes": state,
+        "swap_file_bytes": swapped,
         "peak_mem_bytes": peak_mem_bytes,
         "comm": [probes.comm.summary(step) for step in range(cfg.steps)],
         "collective_calls": [c.to_dict() for c in probes.comm.calls if c.step == last],
@@ -183,11 +190,17 @@ def run(engine: str, cfg: RunConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> di
     """
     validate([engine], cfg)
     ranks = labkit.launch(train_rank, ranks_for(engine, cfg), engine, cfg, timeout=timeout_s)
-    first_kept = max(0, cfg.steps - TIMELINE_STEPS)
+    return merge_ranks(ranks, cfg.steps)
+
+
+def merge_ranks(ranks: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """The per-engine record (see `run`) from each rank's `train_rank` result, in rank order."""
+    first_kept = max(0, steps - TIMELINE_STEPS)
     return {
-        "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(cfg.steps)],
-        "step_time_s": [max(r["step_time_s"][i] for r in ranks) for i in range(cfg.steps)],
+        "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(steps)],
+        "step_time_s": [max(r["step_time_s"][i] for r in ranks) for i in range(steps)],
         "state_bytes": ranks[0]["state_bytes"],
+        "swap_file_bytes": ranks[0]["swap_file_bytes"],
         "peak_mem_bytes": [r["peak_mem_bytes"] for r in ranks],
         "comm": ranks[0]["comm"][-1],
         "collective_calls": ranks[0]["collective_calls"],
