@@ -16,8 +16,7 @@ import logging
 import statistics
 import time
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,71 +33,41 @@ from labkit.probes import Probes
 # ------------------------------------------------------------------------------------------ many runs
 
 
-@contextmanager
-def deepspeed_zero_overrides(overrides: dict[str, Any] | None) -> Iterator[None]:
-    """Inside the block, the deepspeed engine's config gets `overrides` merged into `zero_optimization`.
-
-    `labkit.engines.ds_config.ds_config` exposes the fair/defaults modes and the ZeRO++ flags; notebook 06
-    turns the individual ZeRO-3 knobs (persistence threshold, live parameters, reuse distance, prefetch
-    bucket) one at a time, so this wraps the engine's `ds_config` for the duration of one run on this rank.
-    """
-    if not overrides:
-        yield
-        return
-    from labkit.engines import deepspeed as ds_engine
-
-    original = ds_engine.ds_config
-
-    def patched(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, Any]:
-        config = original(cfg, world_size, mode)
-        config["zero_optimization"].update(overrides)
-        return config
-
-    ds_engine.ds_config = patched
-    try:
-        yield
-    finally:
-        ds_engine.ds_config = original
-
-
-def _train_runs(runs: Sequence[tuple[str, RunConfig, dict[str, Any] | None]]) -> list[dict[str, Any]]:
+def _train_runs(runs: Sequence[tuple[str, RunConfig]]) -> list[dict[str, Any]]:
     """Rank side of `run_many`: `train_rank` once per run, in order, on this rank."""
     out = []
-    for engine, cfg, overrides in runs:
-        with deepspeed_zero_overrides(overrides):
-            out.append(train_rank(engine, cfg))
+    for engine, cfg in runs:
+        out.append(train_rank(engine, cfg))
         dist.barrier()
     return out
 
 
-def run_many(
-    runs: Sequence[tuple[str, RunConfig] | tuple[str, RunConfig, dict[str, Any] | None]],
-    timeout_s: float = 600.0,
-) -> list[dict[str, Any]]:
-    """Several (engine, cfg[, deepspeed zero overrides]) runs in ONE launch; a record per run, in order.
+def run_many(runs: Sequence[tuple[str, RunConfig]], timeout_s: float = 600.0) -> list[dict[str, Any]]:
+    """Several (engine, cfg) runs in ONE launch; a record per run, in order.
 
     Every run is measured by the loop's own `train_rank` (the same probes as `loop.run`); sharing the
     ranks saves a start-up and a DeepSpeed import per run (seconds each on a laptop). All runs need the
     same number of ranks (`single` cannot share a launch with multi-rank engines: use `loop.run` for it),
     and a DeepSpeed hpZ run must be alone (DeepSpeed keeps its hpZ groups for the process; measured: the
-    next run in the same ranks gathered inside them too).
+    next run in the same ranks gathered inside them too). A deepspeed run turns single ZeRO-3 knobs with
+    `cfg.options["zero_overrides"]` (see `labkit.engines.ds_config.ds_config`).
     """
-    runs = [(r[0], r[1], r[2] if len(r) > 2 else None) for r in runs]
+    runs = list(runs)
     if not runs:
         return []
-    hpz = [cfg.options.get("zero_hpz_partition_size", 1) for _, cfg, _ in runs]
+    hpz = [cfg.options.get("zero_hpz_partition_size", 1) for _, cfg in runs]
     if len(runs) > 1 and any(int(h) > 1 for h in hpz):
         raise ValueError(
             "a run with zero_hpz_partition_size > 1 needs a launch of its own: DeepSpeed keeps its hpZ process "
             "groups across deepspeed.initialize calls, so the runs after it in the same ranks would use them"
         )
-    sizes = {ranks_for(engine, cfg) for engine, cfg, _ in runs}
+    sizes = {ranks_for(engine, cfg) for engine, cfg in runs}
     if len(sizes) != 1:
         raise ValueError(f"run_many needs runs on one number of ranks; these need {sorted(sizes)}")
-    for engine, cfg, _ in runs:
+    for engine, cfg in runs:
         validate([engine], cfg)
     per_rank = labkit.launch(_train_runs, sizes.pop(), runs, timeout=timeout_s)
-    return [merge_ranks([r[i] for r in per_rank], cfg.steps) for i, (_, cfg, _) in enumerate(runs)]
+    return [merge_ranks([r[i] for r in per_rank], cfg.steps) for i, (_, cfg) in enumerate(runs)]
 
 
 def median_step_s(record: dict[str, Any]) -> float:

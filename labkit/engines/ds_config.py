@@ -92,8 +92,10 @@ def ds_config(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, 
 
     Recognised `cfg.options`: the keys of `ZERO_PLUS_PLUS_FLAGS`, "ds_mode" ("fair" or "defaults",
     overriding `mode`), "offload_param" (True: the parameter shards go where `cfg.offload` sends the
-    optimizer state and its step: "cpu" or "nvme"), "nvme_path" (the swap folder of "nvme") and "comms_logger" (True: DeepSpeed's
-    own comms logger records every collective, for `deepspeed.comms_logger_summary`).
+    optimizer state and its step: "cpu" or "nvme"), "nvme_path" (the swap folder of "nvme"),
+    "zero_overrides" (a dict merged last into `zero_optimization`: one ZeRO-3 knob turned at a time) and
+    "comms_logger" (True: DeepSpeed's own comms logger records every collective, for
+    `deepspeed.comms_logger_summary`).
     """
     mode = cfg.options.get("ds_mode", mode)
     if mode not in MODES:
@@ -120,6 +122,7 @@ def ds_config(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, 
     for flag in ZERO_PLUS_PLUS_FLAGS:
         if flag in cfg.options:
             zero[flag] = cfg.options[flag]
+    zero.update(cfg.options.get("zero_overrides") or {})
     return {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": global_batch // world_size,
