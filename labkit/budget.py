@@ -36,6 +36,41 @@ def collective_wire_bytes(kind: str, payload_bytes: int, world_size: int) -> int
     return factor * (n - 1) * payload // n
 
 
+def ring_link_bytes(kind: str, payload_bytes: int, group_nodes: Sequence) -> dict[str, int]:
+    """Wire bytes one ring collective puts on intra- and inter-node links, summed over the group's ranks.
+
+    `group_nodes` is the node of each rank of the group, in ring order (the group's rank order). In each
+    of the ring's n-1 steps (2(n-1) for an all-reduce) every rank sends one chunk to its successor only,
+    so each rank's whole `collective_wire_bytes` goes over one link, which crosses a node boundary when
+    the successor is on another node. A group over k > 1 nodes in node blocks has k crossing links; inside
+    one node it has none. This is the rule `labkit.probes.comm` measures by.
+    """
+    nodes = list(group_nodes)
+    n = len(nodes)
+    wire = collective_wire_bytes(kind, payload_bytes, n)
+    crossing = sum(nodes[i] != nodes[(i + 1) % n] for i in range(n))
+    return {"intra_node": (n - crossing) * wire, "inter_node": crossing * wire}
+
+
+def _ring_bytes_all_ranks(kind: str, payload_bytes: int, n: int, size: int, gpn: int, strided: bool) -> dict:
+    """`ring_link_bytes` summed over every group of one collective, rank r on node r // gpn.
+
+    The groups partition the n ranks: consecutive blocks of `size` ranks, or (`strided`, HSDP's replicate
+    groups) ranks i, i + n/size, i + 2n/size, ... Members are in ascending order, so a group visits its nodes
+    in blocks and crosses as many links as it has distinct nodes, when more than one.
+    """
+    wire = collective_wire_bytes(kind, payload_bytes, size)
+    stride = n // size if strided else 1
+    starts = range(stride) if strided else range(0, n, size)
+    crossing = 0
+    for first in starts:
+        last = first + (size - 1) * stride
+        # a step under gpn ranks cannot skip a node; a larger one puts every member on its own node
+        distinct = size if stride >= gpn else last // gpn - first // gpn + 1
+        crossing += distinct if distinct > 1 else 0
+    return {"intra_node": (n - crossing) * wire, "inter_node": crossing * wire}
+
+
 def shard_rows(rows: int, world_size: int) -> int:
     """Rows of dim 0 each rank holds when a tensor is split on dim 0 across `world_size` ranks: ceil(rows/n)."""
     return -(-int(rows) // int(world_size))
@@ -140,7 +175,7 @@ def _link(span: int, gpus_per_node: int) -> str:
     return "intra_node" if span <= gpus_per_node else "inter_node"
 
 
-def _term(name, key, kind, phase, payload_bytes, group, link) -> dict:
+def _term(name, key, kind, phase, payload_bytes, group, link, strided=False) -> dict:
     return {
         "name": name,
         "key": key,
@@ -150,6 +185,7 @@ def _term(name, key, kind, phase, payload_bytes, group, link) -> dict:
         "link": link,
         "payload_bytes": int(payload_bytes),
         "wire_bytes": collective_wire_bytes(kind, int(payload_bytes), group),
+        "strided_groups": strided,  # HSDP's replicate groups: one rank from each shard group
     }
 
 
@@ -271,6 +307,11 @@ def plan(
     layers: how many equal layers the overlap model splits compute and comm into.
     compute: 6 x params x tokens_per_rank FLOP at peak_tflops x mfu.
     link_gbytes: each rank's inter-node bandwidth (its NIC); intra_gbytes: within a node (NVLink).
+    Links: `traffic_bytes_by_link` files each term's per-rank bytes under the slowest link its ring
+      crosses (what paces it: a ring that spans nodes runs at NIC speed). `ring_bytes_all_ranks_by_link`
+      (and each term's `ring_bytes_all_ranks`) counts the bytes actually sent on each kind of link, summed
+      over all ranks, with rank r on node r // gpus_per_node and the ring rule of `ring_link_bytes`: the
+      figure `labkit compare` measures as `comm_by_link`.
     accounting: "paper" (the terms above) or "deepspeed" (DeepSpeed's estimator: `deepspeed_zero_estimate`;
       zero2/zero3 only); the other keys are the same either way.
 
@@ -460,11 +501,20 @@ def plan(
                     elems["grads"] * g_b,
                     replicas,
                     _link(n, gpn),
+                    strided=True,
                 )
             )
 
     traffic_by_collective = dict.fromkeys(TRAFFIC_KEYS, 0)
     traffic_by_link = dict.fromkeys(LINKS, 0)
+    ring_by_link = dict.fromkeys(LINKS, 0)
+    for t in terms:
+        strided = t.pop("strided_groups")
+        t["ring_bytes_all_ranks"] = _ring_bytes_all_ranks(
+            t["collective"], t["payload_bytes"], n, t["group_size"], gpn, strided
+        )
+        for link in LINKS:
+            ring_by_link[link] += t["ring_bytes_all_ranks"][link]
     comm_time_by_link = dict.fromkeys(LINKS, 0.0)
     comm_s_by_phase = {"forward": 0.0, "backward_gather": 0.0, "backward_reduce": 0.0, "step": 0.0}
     for t in terms:
@@ -566,6 +616,7 @@ def plan(
         "traffic_bytes_per_rank_large_n": traffic_large_n,
         "traffic_bytes_by_collective": traffic_by_collective,
         "traffic_bytes_by_link": traffic_by_link,
+        "ring_bytes_all_ranks_by_link": ring_by_link,
         "traffic_terms": terms,
         "host_io_bytes_per_rank": host_io,
         "nvme_io_bytes_per_rank": nvme_io,

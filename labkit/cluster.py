@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0
 RANK_BYTES_ESTIMATE = 500 * 2**20  # resident memory of one idle rank with torch imported (bytes)
+RANKS_PER_CORE = 4  # CPU ranks per core `max_ranks` allows: the lab's ranks mostly wait on each other
 _STATUS_BYTES = 256  # size of each rank's "last collective" slot (bytes)
 _COLLECTIVES = (
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_single", "all_gather_into_tensor",
@@ -81,7 +82,7 @@ def max_ranks(device_type: str | None = None) -> int:
     if device_type == "cuda":
         return torch.cuda.device_count()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(4 * cores, _available_memory_bytes() // RANK_BYTES_ESTIMATE))
+    return max(1, min(RANKS_PER_CORE * cores, _available_memory_bytes() // RANK_BYTES_ESTIMATE))
 
 
 def placement(world_size: int) -> Placement:
@@ -97,6 +98,48 @@ def under_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LABKIT_LAUNCH_DIR" not in os.environ
     )
+
+
+def launcher_world_size() -> int | None:
+    """The number of ranks the torchrun / DeepSpeed launcher started, or None when not under one (ranks)."""
+    return int(os.environ["WORLD_SIZE"]) if under_launcher() else None
+
+
+def ranks_per_node(world_size: int) -> int:
+    """Ranks on this process's node: what "one node" means for HSDP shard groups and hpZ partitions (ranks).
+
+    torchrun and `labkit.launch` set LOCAL_WORLD_SIZE, the DeepSpeed launcher LOCAL_SIZE; anywhere else
+    (a parent process on one machine) every one of `world_size` ranks is on this node.
+    """
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return world_size
+
+
+def node_key() -> str:
+    """Which node this rank is on, as its launcher numbers nodes.
+
+    torchrun: the agent (`GROUP_RANK`), so two agents on one host are two nodes; the DeepSpeed launcher:
+    its `CROSS_RANK` (`--node_rank`); otherwise the host name. `labkit.launch` is one node (GROUP_RANK=0).
+    """
+    for name in ("GROUP_RANK", "CROSS_RANK"):
+        if os.environ.get(name):
+            return f"node {os.environ[name]}"
+    import socket
+
+    return socket.gethostname()
+
+
+def rank_nodes() -> list[int]:
+    """Every rank's node, in rank order, numbered 0, 1, ... by each node's lowest rank.
+
+    One `all_gather_object` over the default group: call it on every rank, outside any measured step.
+    """
+    keys: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, node_key())
+    number = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    return [number[key] for key in keys]
 
 
 def launch(
@@ -279,26 +322,35 @@ class _Run:
 
 
 def _run_in_place(fn, world_size: int, args, kwargs) -> list[Any]:
-    """Under torchrun: run `fn` on this rank and all-gather every rank's result."""
-    created = not dist.is_initialized()
-    if created:
+    """Under torchrun: run `fn` on this rank and all-gather every rank's result.
+
+    The default group is created by the first call and kept for the process's life (destroyed at exit):
+    a second `init_process_group` under torchrun reads the first one's gloo addresses, still in the
+    agent's store under the same keys, and hangs (measured: `labkit compare --engines fsdp2,deepspeed`
+    across two agents).
+    """
+    if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
+        import atexit
+
+        atexit.register(_destroy_default_group)
     if dist.get_world_size() != world_size:
         raise ValueError(
             f"world_size={world_size} but the launcher started {dist.get_world_size()} ranks; "
             f"pass world_size={dist.get_world_size()}"
         )
-    try:
-        value = fn(*args, **kwargs)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, value)
-        return gathered
-    finally:
-        if created:
-            dist.destroy_process_group()
+    value = fn(*args, **kwargs)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------- child

@@ -3,7 +3,8 @@
 It reads versions, devices, the backend and rank limit `labkit.launch` will use, whether DeepSpeed's CPU
 ops are built (by looking at their build folders, never by building them) and whether the `labkit`
 Jupyter kernel is registered, then runs one all-reduce on 2 ranks and times it. Each thing that is missing
-becomes one line of advice in `problems`.
+becomes one line of advice in `problems`. With `students=N` (`labkit doctor --class N`) it also says
+whether N students running the course notebooks at once fit on this node (`labkit.classroom`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ PACKAGES = ("deepspeed", "jupyterlab", "ipywidgets")  # besides python and torch
 SETUP_ADVICE = "run `make lab` (or `make test`) in the labkit checkout"
 
 
-def diagnose(smoke: bool = True) -> dict[str, Any]:
+def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
     """Check this machine and return a JSON-ready dict; `problems` lists one line of advice per gap.
 
     Keys: versions, pinned, devices, backend, max_ranks, max_ranks_by_device, deepspeed_ops, ninja,
-    kernel, smoke_test, problems, ok. `smoke=False` skips the 2-rank all-reduce (about 3 s on 2 cores).
+    kernel, smoke_test, problems, ok, and `class` when `students` is given (`classroom.class_report`;
+    each notebook that does not fit that class adds its line of advice to `problems`). `smoke=False` skips
+    the 2-rank all-reduce (about 3 s on 2 cores).
     """
     import torch
 
@@ -70,6 +73,17 @@ def diagnose(smoke: bool = True) -> dict[str, Any]:
 
     smoke_test = _smoke_test(problems) if smoke and max_ranks >= SMOKE_WORLD_SIZE else {"ran": False}
     devices = _devices(torch)  # after the smoke test: naming GPUs initialises CUDA, which forbids fork
+    extra: dict[str, Any] = {}
+    if students is not None:
+        from labkit import classroom
+
+        try:
+            extra["class"] = classroom.class_report(students)
+        except ValueError as e:  # no notebooks beside this labkit (installed without a checkout)
+            problems.append(str(e))
+        else:
+            if not extra["class"]["fits"]:
+                problems.extend(extra["class"]["advice"])
     return {
         "versions": versions,
         "pinned": pinned,
@@ -83,6 +97,7 @@ def diagnose(smoke: bool = True) -> dict[str, Any]:
         "smoke_test": smoke_test,
         "problems": problems,
         "ok": not problems,
+        **extra,
     }
 
 
@@ -245,6 +260,12 @@ def format_report(report: dict[str, Any]) -> str:
         rows.append(("smoke test", f"FAILED: {s['error'] or s['values']}"))
     width = max(len(name) for name, _ in rows)
     lines = [f"  {name:<{width}}  {value}" for name, value in rows]
+    if "class" in report:
+        from labkit.classroom import format_class
+
+        lines.append(format_class(report["class"]))
+        if report["class"]["fits"]:
+            lines += [f"  {line}" for line in report["class"]["advice"]]
     lines.append("ready for the lab" if report["ok"] else f"{len(report['problems'])} problem(s):")
     lines += [f"  - {p}" for p in report["problems"]]
     return "\n".join(lines)

@@ -119,7 +119,8 @@ def time_bars(result: dict, *, ax=None, title: str | None = None) -> Figure:
     ax.set_xlim(
         0, max(compute + result["exposed_comm_no_prefetch_s"] + result.get("offload_time_s", 0.0), left) * 1.2
     )
-    ax.legend(fontsize=8, loc="lower right", frameon=False)
+    # Beside the axes: inside, it covers the longest bar and its total, which the x-limits leave room for.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_title(title or "Time per step")
     return fig
 

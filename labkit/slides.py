@@ -16,6 +16,11 @@ Pass `reveal_url_prefix` (`--reveal-url-prefix` on the CLI) to use another copy 
 By default the decks are built from the notebooks as they are (committed notebooks carry no outputs, so
 the decks show prose and code); point `notebooks_dir` at executed copies (e.g. papermill's) for decks with
 figures, or pass `execute=True` to execute each notebook first (minutes on a laptop: every notebook runs).
+
+Beside each deck goes its one-page cheat sheet, `<name>.cheatsheet.md` and `.cheatsheet.html` (printable),
+from `docs/cheatsheets/<name>.md`: the key formula, the figure to remember, the common mistake. The sheet's
+`{{figure}}` becomes the line of the notebook's own output that its `<!-- figure: REGEX -->` finds, so a
+sheet built from an executed notebook quotes that run; without outputs it says so.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ ASSETS_DIR = PACKAGE_DIR / "slides_assets"
 TEMPLATE_DIR = PACKAGE_DIR / "slides_template"
 TEMPLATE_NAME = "labkit_reveal"
 DEFAULT_NOTEBOOKS_DIR = PACKAGE_DIR.parent / "notebooks"
+DEFAULT_CHEATSHEETS_DIR = PACKAGE_DIR.parent / "docs" / "cheatsheets"
+FIGURE_SPEC = re.compile(r"^<!--\s*figure:\s*(?P<pattern>.+?)\s*-->\n", re.M)
+FIGURE_SLOT = "{{figure}}"
 LOCAL_REVEAL_PREFIX = "reveal.js"  # relative to the deck: `build` copies the vendored reveal.js there
 DROP_TAG = "notebook-only"
 NOTEBOOK_PATTERN = re.compile(r"^\d\d_.*\.ipynb$")
@@ -106,6 +114,62 @@ def slides_html(nb: nbformat.NotebookNode, reveal_url_prefix: str = LOCAL_REVEAL
     return body
 
 
+def output_text(nb: nbformat.NotebookNode) -> str:
+    """Every stream and plain-text output of a notebook, joined (what its run printed)."""
+    out = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            if o.output_type == "stream":
+                out.append(o.text)
+            elif o.output_type in ("execute_result", "display_data"):
+                out.append(o.get("data", {}).get("text/plain", ""))
+    return "\n".join(out)
+
+
+def figure_line(source: str, nb: nbformat.NotebookNode) -> str | None:
+    """The output line of `nb` that the cheat sheet's `<!-- figure: REGEX -->` finds (spaces squeezed), or None."""
+    spec = FIGURE_SPEC.search(source)
+    if spec is None:
+        raise ValueError("a cheat sheet needs a first line <!-- figure: REGEX --> naming the line to quote")
+    text = output_text(nb)
+    found = re.search(spec["pattern"], text, re.M)
+    if found is None:
+        return None
+    start = text.rfind("\n", 0, found.start()) + 1
+    end = text.find("\n", found.end())
+    return re.sub(r"\s+", " ", text[start : end if end >= 0 else len(text)]).strip()
+
+
+def cheatsheet_markdown(source: str, nb: nbformat.NotebookNode) -> str:
+    """The printable cheat sheet: `source` with its figure spec removed and `{{figure}}` filled from `nb`."""
+    line = figure_line(source, nb)
+    if line is not None:
+        figure = f"`{line}` (this run's output)"
+    elif output_text(nb).strip():
+        figure = "_not found in this run's output: the notebook no longer prints the line this sheet quotes_"
+    else:
+        figure = ("_this build has no outputs (the committed notebook): run it, or build with "
+                  "`labkit slides --execute`, to quote the figure here_")  # fmt: skip
+    return FIGURE_SPEC.sub("", source, count=1).replace(FIGURE_SLOT, figure)
+
+
+def cheatsheet_html(markdown: str, title: str) -> str:
+    """A cheat sheet as one printable HTML page (A4, no network)."""
+    from nbconvert.filters.markdown_mistune import markdown2html_mistune
+
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8">'
+        f"<title>{html.escape(title)} — cheat sheet</title>\n<style>\n"
+        "@page { size: A4; margin: 1.6cm; }\n"
+        "body { font-family: sans-serif; font-size: 11pt; line-height: 1.4; max-width: 46em; margin: 1em auto; }\n"
+        "code { font-size: 0.95em; background: #f3f3f3; padding: 0 0.2em; }\n"
+        "table { border-collapse: collapse; } td, th { border: 1px solid #bbb; padding: 0.2em 0.6em; }\n"
+        ".anchor-link { display: none; }\n"
+        "</style></head>\n<body>\n"
+        f"{markdown2html_mistune(markdown)}\n</body>\n</html>\n"
+    )
+
+
 def copy_assets(out_dir: Path, reveal: bool = True) -> None:
     """Put the vendored RequireJS (and, with `reveal`, reveal.js as `reveal.js/`) beside the decks."""
     shutil.copy2(ASSETS_DIR / "require.js", out_dir / "require.js")
@@ -116,11 +180,16 @@ def copy_assets(out_dir: Path, reveal: bool = True) -> None:
         shutil.copytree(ASSETS_DIR / "reveal.js", target)
 
 
-def index_html(decks: list[tuple[str, str]]) -> str:
-    """A page linking each (file name, title) deck."""
-    items = "\n".join(
-        f'  <li><a href="{html.escape(name)}">{html.escape(title)}</a></li>' for name, title in decks
-    )
+def index_html(decks: list[tuple[str, str]], sheets: dict[str, str] | None = None) -> str:
+    """A page linking each (file name, title) deck, and its cheat sheet (`sheets`: deck name -> sheet name)."""
+    sheets = sheets or {}
+
+    def item(name: str, title: str) -> str:
+        sheet = sheets.get(name)
+        extra = f' · <a href="{html.escape(sheet)}">cheat sheet</a>' if sheet else ""
+        return f'  <li><a href="{html.escape(name)}">{html.escape(title)}</a>{extra}</li>'
+
+    items = "\n".join(item(name, title) for name, title in decks)
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8"><title>labkit slides</title></head>\n'
         '<body style="font-family: sans-serif; max-width: 46em; margin: 2em auto">\n'
@@ -137,19 +206,23 @@ def build(
     execute: bool = False,
     timeout_s: float = 600.0,
     reveal_url_prefix: str | None = None,
+    cheatsheets_dir: str | Path | None = None,
     log=print,
 ) -> list[Path]:
     """Write `<name>.slides.html` per course notebook and `index.html` into `out_dir`; return the deck paths.
 
     `execute=True` runs each notebook first (timeout per notebook, seconds); `reveal_url_prefix=None` uses
-    the vendored reveal.js copied into `out_dir` (no network at view time).
+    the vendored reveal.js copied into `out_dir` (no network at view time). Each notebook with a
+    `<name>.md` in `cheatsheets_dir` (default: the checkout's `docs/cheatsheets/`) also gets
+    `<name>.cheatsheet.md` and `<name>.cheatsheet.html`.
     """
+    sheets_dir = Path(cheatsheets_dir) if cheatsheets_dir is not None else DEFAULT_CHEATSHEETS_DIR
     notebooks = course_notebooks(notebooks_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prefix = reveal_url_prefix or LOCAL_REVEAL_PREFIX
     copy_assets(out, reveal=reveal_url_prefix is None)
-    decks, listed = [], []
+    decks, listed, sheets = [], [], {}
     for path in notebooks:
         start_s = time.perf_counter()
         nb = execute_notebook(path, timeout_s) if execute else nbformat.read(path, as_version=4)
@@ -157,6 +230,13 @@ def build(
         deck.write_text(slides_html(nb, prefix), encoding="utf-8")
         decks.append(deck)
         listed.append((deck.name, title_of(nb, path.stem)))
+        source = sheets_dir / f"{path.stem}.md"
+        if source.is_file():
+            sheet = cheatsheet_markdown(source.read_text(encoding="utf-8"), nb)
+            (out / f"{path.stem}.cheatsheet.md").write_text(sheet, encoding="utf-8")
+            page = out / f"{path.stem}.cheatsheet.html"
+            page.write_text(cheatsheet_html(sheet, title_of(nb, path.stem)), encoding="utf-8")
+            sheets[deck.name] = page.name
         log(f"{deck} ({time.perf_counter() - start_s:.1f} s)")
-    (out / "index.html").write_text(index_html(listed), encoding="utf-8")
+    (out / "index.html").write_text(index_html(listed, sheets), encoding="utf-8")
     return decks

@@ -9,12 +9,34 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 
 import ipywidgets as W
 
 from labkit import budget, plots
 
 RANK_CHOICES = tuple(2**k for k in range(14))  # 1 .. 8192 ranks
+
+
+def log_slider(
+    value: float, *, base: float, low: float, high: float, step: float, **kwargs
+) -> W.FloatLogSlider:
+    """A `FloatLogSlider` from about `base**low` to `base**high` whose exponent grid passes through `value`'s.
+
+    The browser snaps the handle, and its readout, to the exponents `min + k * step`: with `min=6, step=0.01`
+    the 30e9 the numbers are computed for reads "3.02e+10", and 989 peak TFLOP/s reads "1000". So `min` is
+    `low` moved down by less than one step (and the range widens to hold a `value` outside it).
+    """
+    exponent = math.log(value, base)
+    steps_below = max(0, math.floor((exponent - low) / step + 1e-9))
+    return W.FloatLogSlider(
+        value=value,
+        base=base,
+        min=exponent - steps_below * step,
+        max=max(high, exponent),
+        step=step,
+        **kwargs,
+    )
 
 
 def table_html(result: dict) -> str:
@@ -29,7 +51,8 @@ def table_html(result: dict) -> str:
             section = sec
         out.append(
             f'<tr><td style="padding-right:12px">{html.escape(quantity)}</td>'
-            f'<td style="text-align:right;font-family:monospace">{html.escape(value)}</td></tr>'
+            '<td style="text-align:right;font-family:monospace;white-space:nowrap">'
+            f"{html.escape(value)}</td></tr>"
         )
     out.append("</table>")
     return "".join(out)
@@ -46,8 +69,8 @@ class BudgetCalculator:
     def __init__(self, params: float = 30e9, world_size: int = 256, strategy: str = "zero3", **options):
         ranks = sorted(set(RANK_CHOICES) | {int(world_size)})
         c = {
-            "params": W.FloatLogSlider(
-                value=params, base=10, min=6, max=13, step=0.01, description="params", readout_format=".3g"
+            "params": log_slider(
+                params, base=10, low=6, high=13, step=0.01, description="params", readout_format=".3g"
             ),
             "world_size": W.SelectionSlider(options=ranks, value=int(world_size), description="ranks"),
             "strategy": W.ToggleButtons(options=budget.STRATEGIES, value=strategy, description="strategy"),
@@ -74,38 +97,38 @@ class BudgetCalculator:
             "reshard_after_forward": W.Checkbox(
                 value=options.get("reshard_after_forward", True), description="reshard after forward"
             ),
-            "tokens_per_rank": W.FloatLogSlider(
-                value=options.get("tokens_per_rank", 16384),
+            "tokens_per_rank": log_slider(
+                options.get("tokens_per_rank", 16384),
                 base=2,
-                min=9,
-                max=20,
+                low=9,
+                high=20,
                 step=1,
                 description="tokens/rank",
                 readout_format=".0f",
             ),
-            "link_gbytes": W.FloatLogSlider(
-                value=options.get("link_gbytes", 50.0),
+            "link_gbytes": log_slider(
+                options.get("link_gbytes", 50.0),
                 base=10,
-                min=0,
-                max=3,
+                low=0,
+                high=3,
                 step=0.01,
                 description="NIC GB/s",
                 readout_format=".3g",
             ),
-            "intra_gbytes": W.FloatLogSlider(
-                value=options.get("intra_gbytes", 450.0),
+            "intra_gbytes": log_slider(
+                options.get("intra_gbytes", 450.0),
                 base=10,
-                min=1,
-                max=3.5,
+                low=1,
+                high=3.5,
                 step=0.01,
                 description="NVLink GB/s",
                 readout_format=".3g",
             ),
-            "peak_tflops": W.FloatLogSlider(
-                value=options.get("peak_tflops", 989.0),
+            "peak_tflops": log_slider(
+                options.get("peak_tflops", 989.0),
                 base=10,
-                min=1,
-                max=4,
+                low=1,
+                high=4,
                 step=0.01,
                 description="peak TFLOP/s",
                 readout_format=".4g",
@@ -117,7 +140,7 @@ class BudgetCalculator:
         self.controls = c
         self._fixed = {k: v for k, v in options.items() if k not in c}  # options without a control (e.g. qwz)
         self._set_group_choices(options.get("group_size") or min(c["gpus_per_node"].value, int(world_size)))
-        self.image = W.Image(format="png", layout=W.Layout(max_width="760px"))
+        self.image = W.Image(format="png", layout=W.Layout(max_width="760px", object_fit="contain"))
         self.table = W.HTML()
         self.error = W.HTML()
         self.result: dict | None = None
@@ -132,7 +155,11 @@ class BudgetCalculator:
                 W.HBox([c["tokens_per_rank"], c["peak_tflops"], c["mfu"]]),
                 W.HBox([c["link_gbytes"], c["intra_gbytes"]]),
                 self.error,
-                W.HBox([self.image, self.table]),
+                # Not stretched to the table's height (a flex row stretches its items), the table below it
+                # when the two do not fit side by side.
+                W.HBox(
+                    [self.image, self.table], layout=W.Layout(flex_flow="row wrap", align_items="flex-start")
+                ),
             ]
         )
         c["world_size"].observe(self._on_world_size, names="value")

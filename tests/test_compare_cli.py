@@ -68,6 +68,8 @@ def test_compare_writes_the_contract_json_and_prints_a_table(tmp_path, capsys):
         (["--link-gbytes", "0"], "--link-gbytes"),
         (["--dtype", "float16"], "--dtype"),
         (["--model", "huge"], "--model"),
+        (["--world-size", "4", "--hsdp", "3"], "--hsdp"),  # a shard group that does not divide the world
+        (["--world-size", "4", "--hpz", "0"], "--hpz"),
     ],
 )
 def test_bad_arguments_give_one_line_naming_the_flag_and_exit_2(args, flag, capsys, monkeypatch):

@@ -97,6 +97,22 @@ def test_fsdp2_bytes_through_the_loop_match_the_wrap_plan(n, model):
     assert record["state_bytes"]["params"] == padded_bytes // n
 
 
+def test_hsdp_option_of_the_engine_matches_single_and_its_plan():
+    # hsdp_shard_size=2 on 4 ranks: shard groups (0, 1), (2, 3); gradient shards all-reduced over (0, 2).
+    cfg = RunConfig(world_size=4, steps=2, options={"hsdp_shard_size": 2})
+    record = loop.run("fsdp2", cfg)
+    assert_close(record["losses"], reference_losses(cfg))
+    wire = {k: v["wire_bytes"] for k, v in record["comm"].items()}
+    assert wire == fsdp2.predicted_wire_bytes(build_model(cfg.model), cfg, 4)
+    groups = {(c["kind"], tuple(c["group_ranks"])) for c in record["collective_calls"]}
+    assert groups == {("all_gather", (0, 1)), ("reduce_scatter", (0, 1)), ("all_reduce", (0, 2))}
+    # One machine is one node: nothing crosses a node boundary.
+    assert record["nodes"] == [0, 0, 0, 0]
+    assert all(row["inter_node_bytes"] == 0 for row in record["comm_by_link"].values())
+    with pytest.raises(ValueError, match="hsdp_shard_size=3: pass a number of ranks that divides"):
+        fsdp2.predicted_wire_bytes(build_model(cfg.model), RunConfig(options={"hsdp_shard_size": 3}), 4)
+
+
 def _features(cfg: RunConfig) -> dict:
     return {
         "hsdp": fsdp2_features.hsdp(cfg),

@@ -318,3 +318,13 @@ def test_slides_show_a_widgets_static_fallback():
     ]
     deck = slides_html(nbformat.v4.new_notebook(cells=[cell]))
     assert "widget-view" not in deck and f"data:image/png;base64,{png}" in deck
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_cheat_sheet_finds_its_figure_in_the_executed_notebook(executed, name):
+    """Each docs/cheatsheets/NN_name.md quotes a line its notebook prints: the line must still be printed."""
+    from labkit.slides import DEFAULT_CHEATSHEETS_DIR, figure_line
+
+    source = (DEFAULT_CHEATSHEETS_DIR / name.replace(".ipynb", ".md")).read_text()
+    printed = figure_line(source, executed(name))
+    assert printed is not None, f"{name} no longer prints the line its cheat sheet quotes"

@@ -15,6 +15,7 @@ COMMANDS = (
     "doctor",
     "budget",
     "compare",
+    "torchrun",
     "grade",
     "slides",
 )  # modules of labkit.cli, in the order `labkit --help` lists them
@@ -33,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="labkit", description="A teaching lab for ZeRO-3: from scratch, FSDP2 and DeepSpeed."
     )
+    # The DeepSpeed launcher runs `python -m labkit --local_rank=N COMMAND ...` (unless --no_local_rank);
+    # LOCAL_RANK in the environment says the same, so the flag is accepted and ignored.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(f"labkit.cli.{name}").register(sub)

@@ -2,12 +2,17 @@
 
 The work is `labkit.engines.loop.compare`; this file parses flags, checks them (errors name the flag),
 prints one progress line per engine on stderr as it finishes, and the table on stdout.
+
+Under torchrun or the DeepSpeed launcher (`labkit.cluster.under_launcher`) every rank runs this command:
+the ranks already exist, so `--world-size` defaults to the launcher's WORLD_SIZE (and must equal it), the
+engines run in place, and only global rank 0 prints and writes `--json`. docs/cluster.md has the recipes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -59,7 +64,12 @@ def register(subparsers) -> None:
     p.add_argument(
         "--engines", type=_engine_list, default=["single", "ddp"], help=f"from {','.join(ENGINES)}"
     )
-    p.add_argument("--world-size", type=_positive_int, default=2, help="ranks of the multi-rank engines")
+    p.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=None,
+        help="ranks of the multi-rank engines (default 2; under torchrun: the launcher's WORLD_SIZE)",
+    )
     p.add_argument("--steps", type=_positive_int, default=5)
     p.add_argument("--model", default="tiny", help="a model of labkit.model.CONFIGS, e.g. tiny")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -73,6 +83,26 @@ def register(subparsers) -> None:
     p.add_argument(
         "--link-gbytes", type=_positive_float, default=None, help="emulated link of X GB/s per rank"
     )
+    p.add_argument(
+        "--hsdp",
+        type=_positive_int,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="RANKS",
+        help="fsdp2: HSDP, shard groups of RANKS ranks (default: one node's, LOCAL_WORLD_SIZE) replicated "
+        "across the others",
+    )
+    p.add_argument(
+        "--hpz",
+        type=_positive_int,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="RANKS",
+        help="deepspeed: ZeRO++ hpZ, a secondary weight partition over RANKS ranks (default: one node's) "
+        "for the backward all-gather",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--timeout", type=_positive_float, default=300.0, help="seconds per engine before giving up"
@@ -81,12 +111,34 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _group_size(flag: str, value: int | None, world_size: int) -> int | None:
+    """`--hsdp` / `--hpz`: None when absent; its RANKS, or one node's ranks when given bare; checked."""
+    from labkit.cluster import ranks_per_node
+
+    if value is None:
+        return None
+    size = value or ranks_per_node(world_size)
+    if world_size % size:
+        raise UsageError(
+            f"labkit compare: {flag} {size} does not divide --world-size {world_size}; pass a divisor of "
+            f"{world_size}, e.g. the ranks of one node"
+        )
+    return size
+
+
 def run(args: argparse.Namespace) -> int:
-    from labkit.cluster import max_ranks
+    from labkit.cluster import launcher_world_size, max_ranks
     from labkit.engines import loop
     from labkit.engines.base import RunConfig
     from labkit.model import CONFIGS
 
+    launched = launcher_world_size()
+    if launched is not None and args.world_size not in (None, launched):
+        raise UsageError(
+            f"labkit compare: --world-size {args.world_size} but the launcher started {launched} ranks "
+            f"(nodes x ranks per node); pass --world-size {launched} or leave it out"
+        )
+    args.world_size = args.world_size or launched or 2
     if args.model not in CONFIGS:
         raise UsageError(
             f"labkit compare: --model {args.model!r} is unknown; choose from {', '.join(CONFIGS)}"
@@ -99,7 +151,11 @@ def run(args: argparse.Namespace) -> int:
             f"{global_batch} sequences of model {args.model!r}; pass one of {divisors}"
         )
     limit = max_ranks()
-    if args.world_size > limit and any(e not in loop.SINGLE_RANK_ENGINES for e in args.engines):
+    if (
+        launched is None
+        and args.world_size > limit
+        and any(e not in loop.SINGLE_RANK_ENGINES for e in args.engines)
+    ):
         raise UsageError(
             f"labkit compare: --world-size {args.world_size} but this machine can run {limit} ranks; "
             f"pass --world-size <= {limit}"
@@ -110,6 +166,13 @@ def run(args: argparse.Namespace) -> int:
             f"labkit compare: --engines {missing[0]!r} is not implemented yet "
             f"(no labkit/engines/{missing[0]}.py); available: {','.join(loop.available_engines())}"
         )
+    options = {}
+    shard = _group_size("--hsdp", args.hsdp, args.world_size)
+    if shard is not None:
+        options["hsdp_shard_size"] = shard
+    hpz = _group_size("--hpz", args.hpz, args.world_size)
+    if hpz is not None:
+        options["zero_hpz_partition_size"] = hpz
     cfg = RunConfig(
         model=args.model,
         world_size=args.world_size,
@@ -119,15 +182,21 @@ def run(args: argparse.Namespace) -> int:
         prefetch=not args.no_prefetch,
         offload=args.offload,
         link_gbytes=args.link_gbytes,
+        options=options,
     )
+    speaks = launched is None or int(os.environ.get("RANK", "0")) == 0  # under a launcher: rank 0 only
 
     def progress(name: str, record: dict, wall_s: float) -> None:
+        if not speaks:
+            return
         print(
             f"labkit compare: {name} done in {wall_s:.1f} s, final loss {record['losses'][-1]:.6f}",
             file=sys.stderr,
         )
 
     result = loop.compare(args.engines, cfg, timeout_s=args.timeout, on_result=progress)
+    if not speaks:
+        return 0
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -173,4 +242,35 @@ def format_table(result: dict) -> str:
         "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
         for r in rows
     ]
+    lines += _link_table(result)
     return "\n".join(lines)
+
+
+def _link_table(result: dict) -> list[str]:
+    """Runs across nodes: each engine's intra/inter-node bytes per collective, all ranks summed."""
+    from labkit.budget import format_bytes
+
+    records = {
+        n: r for n, r in result["engines"].items() if max(r.get("nodes") or [0]) > 0 and r["comm_by_link"]
+    }
+    if not records:
+        return []
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
+    rows = [("engine", "nodes", *(f"{k.replace('_', '-')} intra/inter" for k in kinds))]
+    for name, rec in records.items():
+        links = rec["comm_by_link"]
+        rows.append((
+            name,
+            str(max(rec["nodes"]) + 1),
+            *(
+                f"{format_bytes(links.get(k, {}).get('intra_node_bytes', 0))} / "
+                f"{format_bytes(links.get(k, {}).get('inter_node_bytes', 0))}"
+                for k in kinds
+            ),
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    head = "bytes on intra-node / inter-node links in the last step, all ranks summed (ring rule: docs/cluster.md)"
+    return [head] + [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]

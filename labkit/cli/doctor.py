@@ -1,4 +1,4 @@
-"""`labkit doctor [--json PATH|-] [--skip-smoke]`: is this machine ready for the lab? (see labkit.doctor)"""
+"""`labkit doctor [--json PATH|-] [--skip-smoke] [--class N]`: is this machine ready for the lab? (labkit.doctor)"""
 
 from __future__ import annotations
 
@@ -19,16 +19,29 @@ def register(subparsers) -> None:
         "--json", metavar="PATH", help="also write the report as JSON to PATH ('-' for stdout only)"
     )
     p.add_argument("--skip-smoke", action="store_true", help="do not run the 2-rank all_reduce smoke test")
+    p.add_argument(
+        "--class",
+        dest="students",
+        metavar="N",
+        type=int,
+        default=None,
+        help="N students share this node: how many ranks each may use, and which notebooks' defaults fit "
+        "(cores and memory), with one line of advice per notebook that does not",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from labkit.cli import UsageError
+
+    if args.students is not None and args.students < 1:
+        raise UsageError(f"labkit doctor: --class must be 1 or more students; got {args.students}")
     from labkit.doctor import diagnose, format_report
 
     to_stdout = args.json == "-"
     # With --json -, stdout carries the JSON alone: anything the ranks print goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
-        report = diagnose(smoke=not args.skip_smoke)
+        report = diagnose(smoke=not args.skip_smoke, students=args.students)
     text = json.dumps(report, indent=2)
     if to_stdout:
         print(text)

@@ -9,10 +9,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "slides",
         help="build a reveal.js deck per course notebook and an index page (viewable offline)",
-        description="Build DIR/NN_name.slides.html for every notebooks/NN_*.ipynb and DIR/index.html. Cells "
+        description="Build DIR/NN_name.slides.html for every notebooks/NN_*.ipynb, its one-page cheat sheet "
+        "(DIR/NN_name.cheatsheet.md and .html, from docs/cheatsheets/NN_name.md) and DIR/index.html. Cells "
         "tagged notebook-only are dropped; reveal.js is copied beside the decks, so nothing is fetched when "
         "they are viewed. By default the notebooks are converted as they are (committed ones carry no "
-        "outputs); --notebooks points at executed copies, --execute runs each one first (minutes).",
+        "outputs, so the cheat sheets cannot quote a measured figure); --notebooks points at executed copies, "
+        "--execute runs each one first (minutes).",
     )
     p.add_argument("--out", metavar="DIR", default="slides", help="output folder (default: ./slides)")
     p.add_argument(
@@ -54,5 +56,6 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         reveal_url_prefix=args.reveal_url_prefix,
     )
-    print(f"{len(decks)} decks and index.html in {args.out}")
+    sheets = sum(1 for d in decks if d.with_name(d.name.replace(".slides.html", ".cheatsheet.html")).exists())
+    print(f"{len(decks)} decks, {sheets} cheat sheets and index.html in {args.out}")
     return 0

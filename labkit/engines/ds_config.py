@@ -87,10 +87,23 @@ def default_nvme_path() -> str:
     return os.path.join(os.environ.get("LABKIT_LAUNCH_DIR") or tempfile.gettempdir(), "labkit-nvme-swap")
 
 
+def hpz_node_size(world_size: int) -> int:
+    """`zero_hpz_partition_size="node"`: the ranks of one node (LOCAL_WORLD_SIZE; all ranks on one machine).
+
+    DeepSpeed 0.19 forms the hpZ groups from consecutive ranks ([0..h-1], [h..2h-1], ...:
+    `deepspeed.utils.groups._create_zero_param_parallel_group`), and launchers number ranks node by node,
+    so h = ranks per node puts each secondary partition on one node.
+    """
+    from labkit.cluster import ranks_per_node
+
+    return ranks_per_node(world_size)
+
+
 def ds_config(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, Any]:
     """DeepSpeed's config dict for `cfg` on `world_size` ranks (micro batch = global batch / world size).
 
-    Recognised `cfg.options`: the keys of `ZERO_PLUS_PLUS_FLAGS`, "ds_mode" ("fair" or "defaults",
+    Recognised `cfg.options`: the keys of `ZERO_PLUS_PLUS_FLAGS` (`zero_hpz_partition_size` may be "node":
+    `hpz_node_size`), "ds_mode" ("fair" or "defaults",
     overriding `mode`), "offload_param" (True: the parameter shards go where `cfg.offload` sends the
     optimizer state and its step: "cpu" or "nvme"), "nvme_path" (the swap folder of "nvme"),
     "zero_overrides" (a dict merged last into `zero_optimization`: one ZeRO-3 knob turned at a time) and
@@ -122,6 +135,8 @@ def ds_config(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, 
     for flag in ZERO_PLUS_PLUS_FLAGS:
         if flag in cfg.options:
             zero[flag] = cfg.options[flag]
+    if zero.get("zero_hpz_partition_size") == "node":
+        zero["zero_hpz_partition_size"] = hpz_node_size(world_size)
     zero.update(cfg.options.get("zero_overrides") or {})
     return {
         "train_batch_size": global_batch,

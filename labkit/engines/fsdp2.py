@@ -15,6 +15,10 @@ Options, from `RunConfig` and `cfg.options` (keys below):
   has no switch to turn off (an empty prefetch list means "use the default").
 - `cfg.dtype == "bfloat16"`: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: bf16 weights
   are gathered and computed with, gradients reduce-scattered in fp32, the fp32 shard is the master copy.
+- `options["hsdp_shard_size"]` (int, or "node" for the ranks of one node: LOCAL_WORLD_SIZE): HSDP, a
+  (replicate, shard) mesh: each parameter is sharded over a shard group of that many consecutive ranks
+  and replicated across the world_size / size groups; all-gathers and reduce-scatters stay inside the
+  shard group, and each gradient shard is then all-reduced across the groups. Absent: one shard group.
 - `cfg.offload == "cpu"`: `CPUOffloadPolicy`, the shards, gradients and optimizer state live on the host
   and each all-gather copies the shard to the device first. On a CPU-only machine the policy runs its
   code path but moves nothing (host and device are the same memory), and it needs `pin_memory=False`
@@ -37,6 +41,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from labkit import cluster
 from labkit.budget import collective_wire_bytes, padded_numel
 from labkit.engines.base import RankInfo, RunConfig, adamw
 from labkit.model import loss_fn
@@ -59,6 +64,23 @@ def shard_kwargs(cfg: RunConfig, mesh: DeviceMesh) -> dict[str, Any]:
         CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cfg.offload == "cpu" else OffloadPolicy()
     )
     return {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload_policy}
+
+
+def hsdp_shard_size(cfg: RunConfig, world_size: int) -> int:
+    """Ranks per HSDP shard group: `options["hsdp_shard_size"]`, "node" = this node's ranks; world_size if unset.
+
+    Shard groups are consecutive ranks, so "node" puts each group on one node (launchers number ranks node
+    by node).
+    """
+    value = cfg.options.get("hsdp_shard_size", world_size)
+    if value == "node":
+        value = cluster.ranks_per_node(world_size)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or world_size % value:
+        raise ValueError(
+            f"hsdp_shard_size={value!r}: pass a number of ranks that divides world_size={world_size} "
+            "(or 'node' for the ranks of one node)"
+        )
+    return value
 
 
 def block_reshard(cfg: RunConfig, world_size: int) -> bool | int:
@@ -166,15 +188,18 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
     all-gathers every group; backward all-gathers each block again when it was resharded after forward
     (over the smaller group when `reshard_after_forward` is an int), never the root, which FSDP2 keeps
     gathered; every group's gradients are reduce-scattered once, in fp32. Each parameter is padded on
-    dim 0 to a multiple of the world size (FSDP2's layout), and each group is one collective.
+    dim 0 to a multiple of the world size (FSDP2's layout), and each group is one collective. Under HSDP
+    (`hsdp_shard_size` = s) all of that happens inside a shard group of s ranks (padding to a multiple of
+    s), and each group's fp32 gradient shard is all-reduced across the world_size / s replicas.
     """
-    n = world_size
+    n = hsdp_shard_size(cfg, world_size)
     param_bytes = 2 if cfg.dtype == "bfloat16" else 4
     reshard = block_reshard(cfg, n)
     block_ids = {id(p) for b in model.blocks for p in b.parameters()}
     groups = [list(b.parameters()) for b in model.blocks]
     groups.append([p for p in model.parameters() if id(p) not in block_ids])
-    gathered, reduced = 0, 0
+    gathered, reduced, all_reduced = 0, 0, 0
+    replicas = world_size // n
     for i, group in enumerate(groups):
         numel = sum(padded_numel(p.shape, n) for p in group)
         gathered += collective_wire_bytes("all_gather", numel * param_bytes, n)
@@ -183,7 +208,9 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
             backward_group = n if reshard is True else reshard
             gathered += collective_wire_bytes("all_gather", numel * param_bytes, backward_group)
         reduced += collective_wire_bytes("reduce_scatter", numel * 4, n)
-    return {"all_gather": gathered, "reduce_scatter": reduced}
+        all_reduced += collective_wire_bytes("all_reduce", numel // n * 4, replicas)
+    out = {"all_gather": gathered, "reduce_scatter": reduced}
+    return out | ({"all_reduce": all_reduced} if replicas > 1 else {})
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -193,10 +220,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> Fsdp2Engine:
     """Shard `model` over a 1-D mesh of all ranks (gloo CPU mesh or NCCL GPU mesh), then build its AdamW.
 
+    With `hsdp_shard_size` below the world size the mesh is 2-D, (replicate, shard): HSDP.
+
     The optimizer is built after sharding, from the `Shard(0)` DTensors: while a group is unsharded,
     `model.parameters()` yields its full plain tensors, which FSDP2 frees after use.
     """
-    mesh = init_device_mesh(rank_info.device.type, (rank_info.world_size,), mesh_dim_names=("shard",))
+    n, shard = rank_info.world_size, hsdp_shard_size(cfg, rank_info.world_size)
+    if shard == n:
+        mesh = init_device_mesh(rank_info.device.type, (n,), mesh_dim_names=("shard",))
+    else:
+        mesh = init_device_mesh(
+            rank_info.device.type, (n // shard, shard), mesh_dim_names=("replicate", "shard")
+        )
     shard_model(model, cfg, mesh)
     assert_sharded(model, mesh)
     return Fsdp2Engine(model, adamw(model.parameters(), cfg), rank_info.device)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import labkit
+from labkit import cluster
 from labkit.engines.base import ENGINES, Engine, RankInfo, RunConfig
 from labkit.model import batch, build_model, config, count_params
 from labkit.probes import Probes, state_bytes
@@ -126,7 +127,8 @@ def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
     # had used one (a notebook that computed before launching).
     torch.set_num_threads(1)
     data_world_size, data_rank = (1, 0) if engine in SINGLE_RANK_ENGINES else (info.world_size, info.rank)
-    probes = Probes(info.rank, info.device)
+    nodes = cluster.rank_nodes()  # before the probes are installed: not counted
+    probes = Probes(info.rank, info.device, nodes=nodes)
 
     def train_step(eng: Engine, step: int) -> float:
         tokens, targets = batch(step, cfg.model, cfg.seed, data_world_size, data_rank)
@@ -169,6 +171,8 @@ def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
         "swap_file_bytes": swapped,
         "peak_mem_bytes": peak_mem_bytes,
         "comm": [probes.comm.summary(step) for step in range(cfg.steps)],
+        "comm_by_link": probes.comm.link_summary(last),
+        "nodes": nodes,
         "collective_calls": [c.to_dict() for c in probes.comm.calls if c.step == last],
         "timeline": [e for e in probes.timeline.events if e["step"] is not None and e["step"] <= last],
     }
@@ -185,10 +189,18 @@ def run(engine: str, cfg: RunConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> di
     peak_mem_bytes: per rank, over one step after the timed ones; comm: rank 0's collectives of the last step
     (steady state: the first step may differ, e.g. DeepSpeed tracing its fetch order);
     collective_calls: rank 0's calls of the last step, one by one, with their group;
+    comm_by_link: the last step's wire bytes of EVERY rank, summed, per collective, split into
+    intra_node_bytes / inter_node_bytes by the ring rule of `labkit.probes.comm` (predicted by
+    `labkit.budget.ring_link_bytes`); nodes: each rank's node (0, 1, ...), from its launcher;
     timeline: every rank's events of the last `TIMELINE_STEPS` steps, seconds from the common zero
     (a barrier before step 0).
     """
     validate([engine], cfg)
+    launched = cluster.launcher_world_size()
+    if launched is not None and engine in SINGLE_RANK_ENGINES:
+        # Under torchrun every rank exists already: each runs the oracle on the global batch (the same
+        # numbers on every rank, no collective inside a step) and rank 0's record is the engine's.
+        return merge_ranks(labkit.launch(train_rank, launched, engine, cfg)[:1], cfg.steps)
     ranks = labkit.launch(train_rank, ranks_for(engine, cfg), engine, cfg, timeout=timeout_s)
     return merge_ranks(ranks, cfg.steps)
 
@@ -204,8 +216,21 @@ def merge_ranks(ranks: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
         "peak_mem_bytes": [r["peak_mem_bytes"] for r in ranks],
         "comm": ranks[0]["comm"][-1],
         "collective_calls": ranks[0]["collective_calls"],
+        "comm_by_link": sum_link_bytes(r["comm_by_link"] for r in ranks),
+        "nodes": ranks[0]["nodes"],
         "timeline": [e for r in ranks for e in r["timeline"] if e["step"] >= first_kept],
     }
+
+
+def sum_link_bytes(per_rank) -> dict[str, dict[str, int]]:
+    """{kind: {"intra_node_bytes", "inter_node_bytes"}} summed over ranks' `link_summary` dicts."""
+    out: dict[str, dict[str, int]] = {}
+    for summary in per_rank:
+        for kind, row in summary.items():
+            total = out.setdefault(kind, {"intra_node_bytes": 0, "inter_node_bytes": 0})
+            for key, value in row.items():
+                total[key] += value
+    return out
 
 
 def compare(

@@ -15,7 +15,7 @@ at build time (DeepSpeed keeps `torch.distributed.all_gather_into_tensor` in its
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -31,9 +31,15 @@ __all__ = ["Probes", "CommProbe", "CollectiveCall", "EmulatedLink", "PeakMemory"
 class Probes:
     """The probes of one rank: `comm` (counter + link), `timeline`, `memory` (peak bytes)."""
 
-    def __init__(self, rank: int, device: torch.device, link_gbytes: float | None = None):
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        link_gbytes: float | None = None,
+        nodes: Sequence[int] | None = None,
+    ):
         self.timeline = Timeline(rank)
-        self.comm = CommProbe(self.timeline, link_gbytes)
+        self.comm = CommProbe(self.timeline, link_gbytes, nodes)  # nodes[r]: rank r's node
         self.memory = PeakMemory(device)
 
     def __enter__(self) -> Probes:

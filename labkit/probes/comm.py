@@ -12,7 +12,19 @@ What a call is charged (per rank):
   (`labkit.budget.collective_wire_bytes`, with the group's size, not the world's). It is what the algorithm
   needs, not what the backend happens to do: gloo, for one, runs a reduce-scatter as a full all-reduce
   internally, and we still charge (n-1)/n. An all-to-all is charged every chunk but the one a rank keeps.
-- the group's size and global ranks, so subgroups (HSDP, hpZ) can be split into intra/inter-node bytes.
+- the group's size and global ranks, and `inter_node_bytes`: the part of `wire_bytes` that crosses a node
+  boundary (below), so subgroups (HSDP, hpZ) show where their bytes go.
+
+Intra- and inter-node bytes. A ring collective over a group runs in the group's rank order
+(`dist.get_process_group_ranks`, ascending global ranks): g0 -> g1 -> ... -> g(n-1) -> g0. In each of its
+n-1 steps (2(n-1) for an all-reduce) every rank sends one chunk to its successor and to no one else, so a
+rank's whole `wire_bytes` go over one link: they are inter-node when its successor is on another node,
+intra-node otherwise. A ring over k > 1 nodes whose ranks come in node blocks therefore has exactly k
+crossing links (k of its n ranks send all their bytes across, the others none); one inside a node has none.
+`labkit.budget.ring_link_bytes` is the same rule. An all-to-all sends each peer its own chunk, split by the
+peer's node; a broadcast, charged as a chain, uses the ring rule. Which node a rank is on comes from
+`labkit.cluster.rank_nodes` (torchrun's agent, the DeepSpeed launcher's node, else the host), handed to
+the probe once at start; without it every rank is on one node.
 
 Not seen: collectives issued from C++ without the Python functions (DDP's built-in all-reduce, which the
 ddp engine replaces with the equivalent Python comm hook; `torch.distributed._functional_collectives`,
@@ -32,7 +44,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -76,6 +88,7 @@ class CollectiveCall:
     group_ranks: tuple[int, ...]
     async_op: bool
     step: int | None  # the loop's step when issued; None outside a step
+    inter_node_bytes: int = 0  # the part of wire_bytes this rank sends to a peer on another node
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +99,7 @@ class CollectiveCall:
             "group_size": self.group_size,
             "group_ranks": list(self.group_ranks),
             "async_op": self.async_op,
+            "inter_node_bytes": self.inter_node_bytes,
         }
 
 
@@ -113,10 +127,16 @@ class EmulatedLink:
 
 
 class CommProbe:
-    """Counts this rank's collectives, times them into `timeline`, and optionally emulates a link."""
+    """Counts this rank's collectives, times them into `timeline`, and optionally emulates a link.
 
-    def __init__(self, timeline: Timeline, link_gbytes: float | None = None):
+    `nodes[r]` is the node of global rank r (from `labkit.cluster.rank_nodes`); None: all on one node.
+    """
+
+    def __init__(
+        self, timeline: Timeline, link_gbytes: float | None = None, nodes: Sequence[int] | None = None
+    ):
         self.timeline = timeline
+        self.nodes = list(nodes) if nodes is not None else None
         self.calls: list[CollectiveCall] = []
         self.link: EmulatedLink | None = None
         self.emulate_link(link_gbytes)
@@ -157,6 +177,17 @@ class CommProbe:
             row["calls"] += 1
             row["payload_bytes"] += call.payload_bytes
             row["wire_bytes"] += call.wire_bytes
+        return out
+
+    def link_summary(self, step: int | None = None) -> dict[str, dict[str, int]]:
+        """{kind: {"intra_node_bytes", "inter_node_bytes"}}: this rank's wire bytes of `step`, by link."""
+        out: dict[str, dict[str, int]] = {}
+        for call in self.calls:
+            if step is not None and call.step != step:
+                continue
+            row = out.setdefault(call.kind, {"intra_node_bytes": 0, "inter_node_bytes": 0})
+            row["intra_node_bytes"] += call.wire_bytes - call.inter_node_bytes
+            row["inter_node_bytes"] += call.inter_node_bytes
         return out
 
     # ------------------------------------------------------------------------------------------ wrapper
@@ -211,14 +242,19 @@ class CommProbe:
         if group_rank < 0:
             return None
         payload = _nbytes(arguments[payload_arg]) if payload_arg else 0
+        node = self.nodes or [0] * (max(ranks) + 1)
+        me = ranks[group_rank]
         if kind == "all_to_all":
-            wire = payload - _kept_bytes(name, arguments, payload, size, group_rank)
+            chunks = _sent_bytes_per_peer(name, arguments, payload, size)
+            wire = payload - chunks[group_rank]
+            inter = sum(b for peer, b in zip(ranks, chunks, strict=True) if node[peer] != node[me])
         elif kind == "barrier":
-            wire = 0
+            wire = inter = 0
         else:
             wire = collective_wire_bytes(kind, payload, size)
+            inter = wire if node[ranks[(group_rank + 1) % size]] != node[me] else 0
         return CollectiveCall(
-            name, kind, payload, wire, size, ranks, bool(arguments.get("async_op")), self.timeline.step
+            name, kind, payload, wire, size, ranks, bool(arguments.get("async_op")), self.timeline.step, inter
         )
 
 
@@ -303,16 +339,16 @@ def _nbytes(value) -> int:
     return sum(_nbytes(v) for v in value)
 
 
-def _kept_bytes(name: str, arguments: dict, payload: int, size: int, group_rank: int) -> int:
-    """The chunk of an all-to-all's input that stays on this rank."""
+def _sent_bytes_per_peer(name: str, arguments: dict, payload: int, size: int) -> list[int]:
+    """The chunk of an all-to-all's input that goes to each group rank (this rank's own chunk stays)."""
     if name == "all_to_all":
-        return _nbytes(arguments["input_tensor_list"][group_rank])
+        return [_nbytes(t) for t in arguments["input_tensor_list"]]
     splits = arguments.get("input_split_sizes")
     if not splits:
-        return payload // size
+        return [payload // size] * size
     tensor = arguments["input"]
     row_bytes = payload // tensor.shape[0] if tensor.shape[0] else 0
-    return splits[group_rank] * row_bytes
+    return [s * row_bytes for s in splits]
 
 
 def _coalescing(group) -> bool:

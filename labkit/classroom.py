@@ -1,0 +1,212 @@
+"""Can a class share this node? What each course notebook needs, against this node divided by N students.
+
+A notebook's ranks are read from its papermill `parameters` cell: the largest `*world_size` it sets
+(`world_size`, `hpz_world_size`). Its memory is one process for the kernel plus one per rank, each
+`cluster.RANK_BYTES_ESTIMATE` (an idle rank with torch imported, measured), plus on every rank the state of
+an unsharded fp32 AdamW replica of the largest model the notebook names (`budget.plan(n, 1, "ddp")`: the
+most any engine in it holds). The node's capacity follows `cluster.max_ranks`: `cluster.RANKS_PER_CORE`
+CPU ranks per core and the memory available now; a GPU rank needs its own GPU, else the notebook runs on
+CPU ranks (`cluster.placement`). `labkit doctor --class N` prints `class_report(N)`.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+from labkit import budget
+from labkit.cluster import RANK_BYTES_ESTIMATE, RANKS_PER_CORE, _available_memory_bytes
+
+
+@dataclass(frozen=True)
+class NotebookNeed:
+    """What one student running `notebook` with its default parameters uses at its peak."""
+
+    notebook: str
+    ranks: int  # processes `labkit.launch` starts at once (the largest *world_size parameter)
+    models: tuple[str, ...]  # the lab models it trains (its `model` parameter and `model="..."` in cells)
+    state_bytes_per_rank: int  # an unsharded fp32 AdamW replica of the largest of them
+    memory_bytes: int  # (ranks + 1 kernel) x RANK_BYTES_ESTIMATE + ranks x state_bytes_per_rank
+
+
+def parameters(nb: nbformat.NotebookNode) -> dict[str, Any]:
+    """The literal assignments of the notebook's cell tagged `parameters` (papermill's), by name."""
+    found: dict[str, Any] = {}
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "parameters" in cell.metadata.get("tags", []):
+            for node in ast.parse(cell.source).body:
+                if (
+                    isinstance(node, ast.Assign)
+                    and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name)
+                ):
+                    try:
+                        found[node.targets[0].id] = ast.literal_eval(node.value)
+                    except ValueError:
+                        pass  # not a literal (an expression): not a default papermill can show
+    return found
+
+
+def _models_named(nb: nbformat.NotebookNode, params: dict[str, Any]) -> tuple[str, ...]:
+    from labkit.model import CONFIGS
+
+    names = {params["model"]} if isinstance(params.get("model"), str) else set()
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:  # IPython magics
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.keyword) and node.arg == "model" and isinstance(node.value, ast.Constant):
+                names.add(node.value.value)
+    return tuple(sorted(n for n in names if n in CONFIGS))
+
+
+def _replica_state_bytes(model: str) -> int:
+    from labkit.model import build_model, count_params
+
+    return int(
+        budget.plan(count_params(build_model(model)), 1, "ddp", precision="fp32")["state_bytes_per_rank"]
+    )
+
+
+def notebook_need(path: Path) -> NotebookNeed:
+    """Ranks and memory of one notebook at its default parameters (see the module docstring)."""
+    nb = nbformat.read(path, as_version=4)
+    params = parameters(nb)
+    sizes = [v for k, v in params.items() if k.endswith("world_size") and isinstance(v, int)]
+    if not sizes:
+        raise ValueError(
+            f"{path.name}: its parameters cell sets no world_size; add one (e.g. world_size = 2)"
+        )
+    ranks = max(sizes)
+    models = _models_named(nb, params)
+    state = max((_replica_state_bytes(m) for m in models), default=0)
+    memory = (ranks + 1) * RANK_BYTES_ESTIMATE + ranks * state
+    return NotebookNeed(path.stem, ranks, models, state, memory)
+
+
+def notebook_needs(notebooks_dir: str | Path | None = None) -> list[NotebookNeed]:
+    """`notebook_need` of every course notebook (default: the checkout's `notebooks/`)."""
+    from labkit.slides import DEFAULT_NOTEBOOKS_DIR, NOTEBOOK_PATTERN
+
+    folder = Path(notebooks_dir) if notebooks_dir is not None else DEFAULT_NOTEBOOKS_DIR
+    paths = sorted(p for p in folder.glob("*.ipynb") if NOTEBOOK_PATTERN.match(p.name))
+    if not paths:
+        raise ValueError(
+            f"no course notebooks in {folder} to size the class by: run `labkit doctor --class` from a checkout"
+        )
+    return [notebook_need(p) for p in paths]
+
+
+def node_capacity() -> dict[str, int]:
+    """This node's CPU cores (those this process may use), memory available now (bytes) and GPUs."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"cpu_cores": cores, "memory_bytes": _available_memory_bytes(), "gpus": gpus}
+
+
+def class_report(
+    students: int, needs: list[NotebookNeed] | None = None, node: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """Whether `students` students, each running the notebooks' defaults at once, fit on this node.
+
+    Keys: students, node {cpu_cores, memory_bytes, gpus, ranks_per_core, rank_bytes}, per_student
+    {cpu_cores, memory_bytes, gpus, ranks}, notebooks [{notebook, ranks, models, memory_bytes, device,
+    fits_cores, fits_memory, fits, max_students}], fits, advice (one line per notebook that does not fit,
+    or one line saying the class fits).
+    """
+    if students < 1:
+        raise ValueError(f"--class must be 1 or more students; got {students}")
+    needs = notebook_needs() if needs is None else needs
+    node = node_capacity() if node is None else node
+    cores, memory, gpus = node["cpu_cores"], node["memory_bytes"], node["gpus"]
+    slots = RANKS_PER_CORE * cores  # CPU ranks the node runs at once
+    mem_each = memory / students
+    ranks_each = max(0, min(slots // students, int((mem_each - RANK_BYTES_ESTIMATE) // RANK_BYTES_ESTIMATE)))
+    gpus_each = gpus // students
+    rows = []
+    for need in needs:
+        device = "cuda" if gpus_each >= need.ranks else "cpu"
+        fits_cores = need.ranks * students <= slots
+        fits_memory = need.memory_bytes * students <= memory
+        most = min(slots // need.ranks, memory // need.memory_bytes)
+        if device == "cuda":
+            most = min(most, gpus // need.ranks)
+        rows.append({**asdict(need), "models": list(need.models), "device": device, "fits_cores": fits_cores,
+                     "fits_memory": fits_memory, "fits": fits_cores and fits_memory,
+                     "max_students": int(most)})  # fmt: skip
+    report = {
+        "students": students,
+        "node": {**node, "ranks_per_core": RANKS_PER_CORE, "rank_bytes": RANK_BYTES_ESTIMATE},
+        "per_student": {
+            "cpu_cores": cores / students,
+            "memory_bytes": int(mem_each),
+            "gpus": gpus_each,
+            "ranks": ranks_each,
+        },  # fmt: skip
+        "notebooks": rows,
+        "fits": all(r["fits"] for r in rows),
+    }
+    report["advice"] = _advice(report)
+    return report
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB"
+
+
+def _advice(report: dict[str, Any]) -> list[str]:
+    n, node, each = report["students"], report["node"], report["per_student"]
+    rows = report["notebooks"]
+    if report["fits"]:
+        big = max(rows, key=lambda r: r["ranks"])
+        return [
+            f"{n} student(s) fit: each may use {each['ranks']} ranks ({each['cpu_cores']:.2g} cores, "
+            f"{_gb(each['memory_bytes'])}); the largest default is {big['ranks']} ranks ({big['notebook']})"
+        ]
+    lines = []
+    for r in rows:
+        if r["fits"]:
+            continue
+        short = []
+        if not r["fits_cores"]:
+            short.append(
+                f"{r['ranks'] * n} ranks on {node['cpu_cores']} cores ({node['ranks_per_core']} per core)"
+            )
+        if not r["fits_memory"]:
+            short.append(f"{_gb(r['memory_bytes'] * n)} of {_gb(node['memory_bytes'])} available")
+        if r["max_students"] == 0:
+            fix = "it does not fit even one student here: use a larger node"
+        else:
+            nodes = math.ceil(n / r["max_students"])
+            fix = (f"at most {r['max_students']} at once here: stagger it, pair students on one server, "
+                   f"or spread the class over {nodes} such nodes")  # fmt: skip
+        lines.append(f"{r['notebook']} needs {r['ranks']} ranks and {_gb(r['memory_bytes'])} per student; "
+                     f"{n} students need {' and '.join(short)}: {fix}")  # fmt: skip
+    return lines
+
+
+def format_class(report: dict[str, Any]) -> str:
+    """The `--class` section of `labkit doctor`: a row per notebook, then the advice."""
+    n, node, each = report["students"], report["node"], report["per_student"]
+    lines = [
+        f"class of {n}: this node has {node['cpu_cores']} cpu cores, {_gb(node['memory_bytes'])} available, "
+        f"{node['gpus']} gpus; each student gets {each['cpu_cores']:.2g} cores, {_gb(each['memory_bytes'])}, "
+        f"{each['gpus']} gpus, {each['ranks']} ranks",
+        f"  {'notebook':<24} {'ranks':>5} {'memory':>8}  {'on':<4} {'fits':<4} {'most at once':>12}",
+    ]
+    for r in report["notebooks"]:
+        lines.append(f"  {r['notebook']:<24} {r['ranks']:>5} {_gb(r['memory_bytes']):>8}  {r['device']:<4} "
+                     f"{'yes' if r['fits'] else 'no':<4} {r['max_students']:>12}")  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,403 @@
+"""For instructors: the guide's commands run as written, Binder agrees with the pins, `labkit doctor --class`
+gives verdicts computed here from this machine's cores and memory, and every notebook has its cheat sheet.
+
+The guide (docs/instructor.md) marks the commands that need no hub with a `sh test` fence; they are run here,
+in a scratch folder holding `submissions/alice.ipynb` and `submissions/bob.ipynb` (two solved exercises), and
+every `labkit ...` line of any block is parsed by the real CLI.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import nbformat
+import pytest
+import yaml
+from packaging.version import Version
+
+from labkit import budget, classroom, doctor, slides
+from labkit.cli import build_parser, main
+from labkit.cluster import RANK_BYTES_ESTIMATE, RANKS_PER_CORE
+from labkit.model import build_model, count_params
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "instructor.md"
+NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+PIN = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)==(?P<version>[^\s;#]+)$")
+SUBMISSIONS = {"alice.ipynb": "01_memory.ipynb", "bob.ipynb": "06_hsdp.ipynb"}  # cheap ones (seconds each)
+
+
+def fenced_blocks(markdown: str) -> list[tuple[str, list[str]]]:
+    """(info string, lines) of every fenced code block, indented ones (in list items) included."""
+    blocks, info, lines = [], None, []
+    for raw in markdown.splitlines():
+        line = raw.strip()
+        if line.startswith("```"):
+            if info is None:
+                info, lines = line[3:].strip(), []
+            else:
+                blocks.append((info, lines))
+                info = None
+        elif info is not None:
+            lines.append(line)
+    assert info is None, "an unclosed code block"
+    return blocks
+
+
+def guide_commands(tested_only: bool) -> list[str]:
+    found = []
+    for info, lines in fenced_blocks(GUIDE.read_text()):
+        if tested_only and info != "sh test":
+            continue
+        found += [ln for ln in lines if ln.startswith("labkit ")]
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ the guide
+
+
+def test_every_labkit_line_of_the_guide_parses():
+    lines = guide_commands(tested_only=False)
+    assert len(lines) >= 6, lines
+    for line in lines:
+        build_parser().parse_args(shlex.split(line)[1:])  # a drifted flag raises UsageError here
+    tested = guide_commands(tested_only=True)
+    assert {shlex.split(ln)[1] for ln in tested} == {"doctor", "grade", "slides"}, tested
+    for info, lines in fenced_blocks(GUIDE.read_text()):
+        if info == "sh test":
+            assert all(ln.startswith("labkit ") for ln in lines), f"a tested block runs labkit only: {lines}"
+
+
+@pytest.fixture(scope="module")
+def guide_run(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """Every `sh test` command of the guide, in order, each in its own process, in one scratch folder."""
+    work = tmp_path_factory.mktemp("guide")
+    (work / "submissions").mkdir()
+    for name, solution in SUBMISSIONS.items():
+        shutil.copy(ROOT / "solutions" / solution, work / "submissions" / name)
+    runs = {}
+    for line in guide_commands(tested_only=True):
+        argv = shlex.split(line)
+        runs[line] = subprocess.run([sys.executable, "-m", "labkit", *argv[1:]], cwd=work, capture_output=True,
+                                    text=True, timeout=600)  # fmt: skip
+    return work, runs
+
+
+def test_guide_commands_run_as_written(guide_run):
+    _, runs = guide_run
+    for line, out in runs.items():
+        assert "Traceback" not in out.stderr, f"{line}: {out.stderr[-2000:]}"
+        # The doctor exits 1 when it reports a problem (an answer, not a failure); nothing else may fail.
+        allowed = (0, 1) if line.startswith("labkit doctor") else (0,)
+        assert out.returncode in allowed, f"{line} -> {out.returncode}: {out.stderr[-2000:]}"
+    doctor_out = runs["labkit doctor"].stdout
+    assert "smoke test" in doctor_out and "all_reduce on 2 ranks" in doctor_out
+    [class_line] = [ln for ln in runs if "--class" in ln]
+    students = int(shlex.split(class_line)[-1])
+    assert f"class of {students}:" in runs[class_line].stdout
+    assert all(nb in runs[class_line].stdout for nb in NOTEBOOKS)
+
+
+def test_guide_grades_a_folder_and_regrades_one(guide_run):
+    work, runs = guide_run
+    [folder_line] = [ln for ln in runs if ln.startswith("labkit grade") and "--gradebook" in ln]
+    gradebook = work / shlex.split(folder_line)[shlex.split(folder_line).index("--gradebook") + 1]
+    rows = {r["file"]: r for r in csv.DictReader(gradebook.open())}
+    assert set(rows) == set(SUBMISSIONS)
+    for row in rows.values():
+        assert row["status"] == "graded" and row["score"] == row["max"], row  # solutions score full marks
+    reports = work / f"{gradebook.stem}-reports"
+    for name in SUBMISSIONS:
+        stem = name.removesuffix(".ipynb")
+        assert (reports / f"{stem}.report.json").is_file() and (reports / f"{stem}.executed.ipynb").is_file()
+    [one_line] = [ln for ln in runs if ln.startswith("labkit grade") and "--out" in ln]
+    argv = shlex.split(one_line)
+    report = json.loads((work / argv[argv.index("--out") + 1]).read_text())
+    assert report["status"] == "graded" and report["score"] == report["max_score"] > 0
+    assert "locked cells unchanged" in runs[one_line].stdout  # it prints each check
+
+
+def test_guide_builds_slides_and_cheat_sheets(guide_run):
+    work, runs = guide_run
+    [line] = [ln for ln in runs if ln.startswith("labkit slides")]
+    argv = shlex.split(line)
+    out = work / argv[argv.index("--out") + 1]
+    index = (out / "index.html").read_text()
+    for stem in NOTEBOOKS:
+        assert (out / f"{stem}.slides.html").is_file()
+        sheet = (out / f"{stem}.cheatsheet.md").read_text()
+        assert slides.FIGURE_SLOT not in sheet and "<!-- figure:" not in sheet
+        assert "this build has no outputs" in sheet  # built from the committed, output-free notebooks
+        assert (out / f"{stem}.cheatsheet.html").read_text().startswith("<!DOCTYPE html>")
+        assert f'href="{stem}.cheatsheet.html"' in index
+    assert f"{len(NOTEBOOKS)} decks, {len(NOTEBOOKS)} cheat sheets" in runs[line].stdout
+
+
+def _table(markdown: str, header_start: str) -> list[list[str]]:
+    lines = markdown.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(header_start))
+    rows = []
+    for ln in lines[start + 2 :]:
+        if not ln.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in ln.strip("|").split("|")])
+    return rows
+
+
+def test_resource_table_is_the_notebooks_own_figures():
+    rows = _table(GUIDE.read_text(), "| notebook | ranks |")
+    needs = {n.notebook: n for n in classroom.notebook_needs()}
+    assert [r[0] for r in rows] == NOTEBOOKS == list(needs)
+    for name, ranks, gpus, memory, run_time in rows:
+        assert int(ranks) == int(gpus) == needs[name].ranks, name
+        assert memory == f"{needs[name].memory_bytes / 1e9:.1f} GB", name
+        assert re.fullmatch(r"\d+ s \(\d+ s\)", run_time), run_time
+
+
+def test_workshop_order_names_every_notebook_and_exercise():
+    rows = _table(GUIDE.read_text(), "| notebook | then |")
+    assert [r[0][:2] for r in rows] == [n[:2] for n in NOTEBOOKS]
+    named = re.findall(r"\bex(\d\d)\b", " ".join(r[1] for r in rows))
+    exercises = sorted(p.name[:2] for p in (ROOT / "exercises").glob("[0-9][0-9]_*.ipynb"))
+    assert sorted(named) == exercises, "each exercise follows one notebook"
+
+
+def test_nbgitpuller_link_opens_a_real_notebook():
+    [link] = re.findall(r"https://HUB/\S+", GUIDE.read_text())
+    url = urlparse(link)
+    assert url.path == "/hub/user-redirect/git-pull"
+    query = parse_qs(url.query)
+    assert set(query) == {"repo", "branch", "urlpath"}
+    assert query["repo"][0] == "https://github.com/OWNER/labkit"
+    urlpath = query["urlpath"][0]  # decoded: lab/tree/<clone folder>/<path>?autodecode
+    assert urlpath.startswith("lab/tree/labkit/") and urlpath.endswith("?autodecode"), urlpath
+    inside = urlpath.removeprefix("lab/tree/labkit/").removesuffix("?autodecode")
+    assert (ROOT / inside).is_file(), inside
+
+
+# ------------------------------------------------------------------------------------------------ Binder
+
+
+def _pins(lines: list[str]) -> dict[str, str]:
+    pins = {}
+    for line in lines:
+        m = PIN.match(line.split("#", 1)[0].strip())
+        if m:
+            pins[m["name"].lower().replace("_", "-")] = m["version"]
+    return pins
+
+
+def _pip_section(path: Path) -> list[str]:
+    deps = yaml.safe_load(path.read_text())["dependencies"]
+    return next(d["pip"] for d in deps if isinstance(d, dict) and "pip" in d)
+
+
+def _python_spec(path: Path) -> str:
+    deps = yaml.safe_load(path.read_text())["dependencies"]
+    return next(d for d in deps if isinstance(d, str) and d.startswith("python"))
+
+
+def _test_only(path: Path) -> set[str]:
+    [line] = [ln for ln in path.read_text().splitlines() if ln.startswith("# test-only:")]
+    return set(line.split(":", 1)[1].split())
+
+
+def test_environment_binder_and_requirements_agree_on_every_shared_pin():
+    req = _pins((ROOT / "requirements.txt").read_text().splitlines())
+    top = _pins(_pip_section(ROOT / "environment.yml"))
+    binder_yml = ROOT / "binder" / "environment.yml"
+    binder = _pins(_pip_section(binder_yml))
+    for name in set(req) & set(top):
+        assert top[name] == req[name], (
+            f"environment.yml pins {name}=={top[name]}, requirements.txt {req[name]}"
+        )
+    torch = Version(binder.pop("torch"))
+    assert (torch.public, torch.local) == (req["torch"], "cpu"), (
+        f"binder's torch is the CPU build of {req['torch']}"
+    )
+    for name, version in binder.items():
+        assert req.get(name) == version, f"binder pins {name}=={version}, requirements.txt {req.get(name)}"
+        if name in top:
+            assert top[name] == version
+    left_out = _test_only(binder_yml)
+    assert not left_out & set(binder), "a pin is both carried and declared test-only"
+    missing = set(req) - set(binder) - {"torch"} - left_out
+    assert not missing, f"binder/environment.yml lacks {sorted(missing)}: add them, or list them as test-only"
+    assert _python_spec(binder_yml) == _python_spec(ROOT / "environment.yml") == "python=3.11"
+
+
+def test_binder_takes_torch_from_the_cpu_index_and_labkit_in_postbuild():
+    pip = _pip_section(ROOT / "binder" / "environment.yml")
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in pip
+    assert pip.index("--extra-index-url https://download.pytorch.org/whl/cpu") < next(
+        i for i, ln in enumerate(pip) if ln.startswith("torch==")
+    )
+    assert not [ln for ln in pip if ln.startswith("-e")], (
+        "labkit is installed by postBuild, after the repo is copied"
+    )
+    deps = yaml.safe_load((ROOT / "binder" / "environment.yml").read_text())["dependencies"]
+    assert "pip" in deps, "micromamba (repo2docker's solver) needs pip listed before a pip section"
+
+
+def test_binder_postbuild_installs_labkit_prebuilds_and_registers_the_kernel():
+    post = ROOT / "binder" / "postBuild"
+    assert post.stat().st_mode & stat.S_IXUSR, "postBuild is executable"
+    lines = [ln.strip() for ln in post.read_text().splitlines()]
+    assert lines[0] == "#!/bin/bash"
+    assert any(ln.startswith("set -e") for ln in lines), "repo2docker does not stop on errors without set -e"
+    text = post.read_text()
+    order = [
+        "pip install --no-deps -e .",
+        "-m labkit.prebuild",
+        f"ipykernel install --sys-prefix --name {doctor.KERNEL_NAME} ",
+    ]
+    at = [text.index(s) for s in order]
+    assert at == sorted(at), "labkit, then its ops, then the kernel"
+    assert f"--sys-prefix --name {doctor.KERNEL_NAME} " in (ROOT / "Makefile").read_text(), "one kernel name"
+
+
+def test_binder_folder_is_all_repo2docker_reads():
+    folder = ROOT / "binder"
+    assert not (folder / "Dockerfile").exists(), "a Dockerfile would make repo2docker ignore everything else"
+    assert (folder / "environment.yml").is_file()
+    for line in (folder / "apt.txt").read_text().splitlines():
+        package = line.split("#", 1)[0].strip()
+        assert not package or re.fullmatch(r"[a-z0-9.+-]+", package), f"repo2docker rejects {package!r}"
+
+
+def test_readme_links_binder_and_the_guide():
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/instructor.md" in readme
+    binder = r"https://mybinder\.org/v2/gh/[^/\s]+/[^/\s]+/[^?\s]+\?urlpath=lab/tree/([^)\s]+)"
+    [path] = re.findall(binder, readme)
+    assert (ROOT / path).is_file(), path
+
+
+# ------------------------------------------------------------------------------------------------ doctor --class
+
+
+def _expected_need(path: Path) -> tuple[int, int]:
+    """(ranks, memory bytes) of one notebook, worked out here from its cells with regular expressions."""
+    nb = nbformat.read(path, as_version=4)
+    [params] = [c.source for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    ranks = max(int(v) for v in re.findall(r"^\w*world_size\s*=\s*(\d+)", params, re.M))
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    models = set(re.findall(r"\bmodel\s*=\s*[\"'](\w+)[\"']", code))
+    state = max((budget.plan(count_params(build_model(m)), 1, "ddp", precision="fp32")["state_bytes_per_rank"]
+                 for m in models), default=0)  # fmt: skip
+    return ranks, (ranks + 1) * RANK_BYTES_ESTIMATE + ranks * state
+
+
+def _mem_available_bytes() -> int:
+    info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+@pytest.mark.parametrize("students", [1, 40])
+def test_doctor_class_verdicts_follow_this_machine(students, capsys):
+    status = main(["doctor", "--skip-smoke", "--class", str(students), "--json", "-"])
+    report = json.loads(capsys.readouterr().out)
+    klass = report["class"]
+    cores = len(os.sched_getaffinity(0))
+    node = klass["node"]
+    assert node["cpu_cores"] == cores and node["ranks_per_core"] == RANKS_PER_CORE
+    now = _mem_available_bytes()
+    assert abs(node["memory_bytes"] - now) < 0.25 * now, "the node's memory is what is available now"
+    memory = node["memory_bytes"]  # read moments apart on a shared machine: judge with the report's own
+    slots = RANKS_PER_CORE * cores
+    each = klass["per_student"]
+    assert each["ranks"] == max(0, min(slots // students, int((memory / students - RANK_BYTES_ESTIMATE)
+                                                              // RANK_BYTES_ESTIMATE)))  # fmt: skip
+    rows = {r["notebook"]: r for r in klass["notebooks"]}
+    assert list(rows) == NOTEBOOKS
+    for name, row in rows.items():
+        ranks, need = _expected_need(ROOT / "notebooks" / f"{name}.ipynb")
+        assert (row["ranks"], row["memory_bytes"]) == (ranks, need), name
+        fits = ranks * students <= slots and need * students <= memory
+        assert row["fits"] == fits, (name, row)
+        most = min(slots // ranks, memory // need)
+        if row["device"] == "cuda":  # a GPU rank needs a GPU of its own
+            most = min(most, node["gpus"] // ranks)
+        assert row["device"] == ("cuda" if node["gpus"] // students >= ranks else "cpu"), name
+        assert row["max_students"] == most, name
+    assert klass["fits"] == all(r["fits"] for r in rows.values())
+    advice = klass["advice"]
+    if klass["fits"]:
+        assert len(advice) == 1 and advice[0].startswith(
+            f"{students} student(s) fit: each may use {each['ranks']} ranks"
+        )
+        assert advice[0] not in report["problems"]
+    else:
+        short = [n for n, r in rows.items() if not r["fits"]]
+        assert [line.split(" ", 1)[0] for line in advice] == short, "one line per notebook that does not fit"
+        for line in advice:
+            assert line in report["problems"]
+            assert (
+                f"at most {rows[line.split(' ', 1)[0]]['max_students']} at once" in line or "even one" in line
+            )
+    assert status == (0 if report["ok"] else 1)
+
+
+def test_class_report_on_a_node_with_gpus():
+    needs = classroom.notebook_needs()
+    node = {"cpu_cores": 32, "memory_bytes": 256 * 10**9, "gpus": 8}
+    two = classroom.class_report(2, needs, node)  # 4 GPUs each: every notebook on NCCL
+    assert {r["device"] for r in two["notebooks"]} == {"cuda"} and two["fits"]
+    four = classroom.class_report(4, needs, node)  # 2 GPUs each: the 3- and 4-rank notebooks fall back to CPU
+    for row in four["notebooks"]:
+        assert row["device"] == ("cuda" if row["ranks"] <= 2 else "cpu"), row
+    big = max(needs, key=lambda n: n.memory_bytes)
+    crowd = math.floor(node["memory_bytes"] / big.memory_bytes) + 1  # one student more than memory allows
+    report = classroom.class_report(crowd, needs, node)
+    [row] = [r for r in report["notebooks"] if r["notebook"] == big.notebook]
+    assert not row["fits_memory"] and not row["fits"]
+
+
+def test_doctor_class_0_is_a_usage_error(capsys):
+    assert main(["doctor", "--skip-smoke", "--class", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--class" in err[0]
+
+
+# ------------------------------------------------------------------------------------------------ cheat sheets
+
+
+def test_every_notebook_has_a_one_page_cheat_sheet():
+    sheets = ROOT / "docs" / "cheatsheets"
+    for stem in NOTEBOOKS:
+        source = (sheets / f"{stem}.md").read_text()
+        assert slides.FIGURE_SPEC.match(source), f"{stem}.md starts with <!-- figure: REGEX -->"
+        re.compile(slides.FIGURE_SPEC.match(source)["pattern"])
+        assert source.count(slides.FIGURE_SLOT) == 1
+        for part in ("**Key formula.**", "**The figure to remember.**", "**Common mistake.**"):
+            assert part in source, f"{stem}.md has no {part}"
+        assert re.search(rf"^# {stem[:2]} · ", source, re.M), f"{stem}.md's title names notebook {stem[:2]}"
+        assert len(source.split()) < 450, f"{stem}.md is longer than one printed page"
+
+
+def test_cheat_sheet_quotes_the_line_an_executed_notebook_printed(tmp_path):
+    name = "03_prefetch_overlap"
+    source = (ROOT / "docs" / "cheatsheets" / f"{name}.md").read_text()
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    printed = "prefetch on : step 72 ms, exposed comm on rank 0 20 ms of 106 ms in flight"
+    cell = next(c for c in nb.cells if c.cell_type == "code")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"prefetch off: ...\n{printed}\n")]
+    (tmp_path / "nbs").mkdir()
+    nbformat.write(nb, tmp_path / "nbs" / f"{name}.ipynb")
+    slides.build(tmp_path / "out", tmp_path / "nbs", log=lambda *_: None)
+    sheet = (tmp_path / "out" / f"{name}.cheatsheet.md").read_text()
+    assert f"`{printed}` (this run's output)" in sheet
+    assert printed in (tmp_path / "out" / f"{name}.cheatsheet.html").read_text()
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="something else\n")]
+    assert "not found in this run's output" in slides.cheatsheet_markdown(source, nb)
