@@ -135,12 +135,13 @@ def test_launch_inside_a_rank_is_refused():
 
 
 SCRIPT = """
-import torch, torch.distributed as dist, labkit
+import sys, torch, torch.distributed as dist, labkit
 def total():
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)
     return t.item()
-print("RESULT", labkit.launch(total, 4{extra}))
+# One write of one short line: under torchrun four ranks share the pipe, and a line written in pieces interleaves.
+sys.stdout.write(f"RESULT {{labkit.launch(total, 4{extra})}}\\n")
 """
 
 
