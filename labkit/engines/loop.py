@@ -29,6 +29,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -130,19 +131,9 @@ def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
     nodes = cluster.rank_nodes()  # before the probes are installed: not counted
     probes = Probes(info.rank, info.device, nodes=nodes)
 
-    def train_step(eng: Engine, step: int) -> float:
+    def batch_on(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, targets = batch(step, cfg.model, cfg.seed, data_world_size, data_rank)
-        tokens, targets = tokens.to(info.device), targets.to(info.device)
-        with probes.step(step):
-            with probes.span("compute", "forward"):
-                loss = eng.forward_loss(tokens, targets)
-            with probes.span("compute", "backward"):
-                eng.backward(loss)
-            with probes.span("compute", "optimizer"):
-                eng.optimizer_step()
-            if info.device.type == "cuda":
-                torch.cuda.synchronize(info.device)
-        return float(loss.detach().float().item())
+        return tokens.to(info.device), targets.to(info.device)
 
     with probes:
         module = importlib.import_module(engine_module_name(engine))
@@ -154,13 +145,13 @@ def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
         probes.timeline.reset_clock()
         losses, step_times_s = [], []
         for step in range(cfg.steps):
-            start_s = time.perf_counter()
-            losses.append(train_step(eng, step))
-            step_times_s.append(time.perf_counter() - start_s)
+            loss, seconds = timed_step(eng, step, batch_on(step), probes)
+            losses.append(loss)
+            step_times_s.append(seconds)
         state = state_bytes(eng.state_tensors())
         swapped = eng.swap_file_bytes() if hasattr(eng, "swap_file_bytes") else {}  # deepspeed's NVMe files
         probes.memory.start(t for ts in eng.state_tensors().values() for t in ts)
-        train_step(eng, cfg.steps)
+        timed_step(eng, cfg.steps, batch_on(cfg.steps), probes)
         peak_mem_bytes = probes.memory.stop()
     last = cfg.steps - 1
     return {
@@ -176,6 +167,32 @@ def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
         "collective_calls": [c.to_dict() for c in probes.comm.calls if c.step == last],
         "timeline": [e for e in probes.timeline.events if e["step"] is not None and e["step"] <= last],
     }
+
+
+def timed_step(
+    eng: Engine, step: int, data: tuple[torch.Tensor, torch.Tensor], probes: Probes | None = None
+) -> tuple[float, float]:
+    """One training step on `data` (tokens, targets): (this rank's loss, seconds the step took).
+
+    The clock covers forward, backward and the optimizer (and, on GPU, the wait for the device), not
+    making the batch nor reading the loss. With `probes` (installed by the caller) the step's events and
+    collectives are tagged with `step`; without, the same work runs bare (the benchmark of the probes'
+    own cost compares the two).
+    """
+    tokens, targets = data
+    span = probes.span if probes is not None else (lambda kind, name: nullcontext())
+    with probes.step(step) if probes is not None else nullcontext():
+        start_s = time.perf_counter()
+        with span("compute", "forward"):
+            loss = eng.forward_loss(tokens, targets)
+        with span("compute", "backward"):
+            eng.backward(loss)
+        with span("compute", "optimizer"):
+            eng.optimizer_step()
+        if tokens.device.type == "cuda":
+            torch.cuda.synchronize(tokens.device)
+        seconds = time.perf_counter() - start_s
+    return float(loss.detach().float().item()), seconds
 
 
 # ---------------------------------------------------------------------------------------------- parent
