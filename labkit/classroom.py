@@ -121,6 +121,11 @@ def class_report(
 ) -> dict[str, Any]:
     """Whether `students` students, each running the notebooks' defaults at once, fit on this node.
 
+    Each student gets 1/N of the node: `ranks_per_core` x cores // N CPU ranks, and as many ~500 MiB ranks
+    as memory / N holds beside the kernel's process; GPUs // N GPUs, so a notebook runs on `cuda` when that
+    is at least its ranks, else on CPU ranks. A notebook fits when N x its ranks <= ranks_per_core x cores
+    and N x its memory <= the node's memory; `max_students` is the largest N for which it fits.
+
     Keys: students, node {cpu_cores, memory_bytes, gpus, ranks_per_core, rank_bytes}, per_student
     {cpu_cores, memory_bytes, gpus, ranks}, notebooks [{notebook, ranks, models, memory_bytes, device,
     fits_cores, fits_memory, fits, max_students}], fits, advice (one line per notebook that does not fit,
@@ -140,9 +145,9 @@ def class_report(
         device = "cuda" if gpus_each >= need.ranks else "cpu"
         fits_cores = need.ranks * students <= slots
         fits_memory = need.memory_bytes * students <= memory
+        # The most students for whom both hold (on GPUs while each has enough of them, on CPU ranks beyond):
+        # a class of N fits exactly when N <= most.
         most = min(slots // need.ranks, memory // need.memory_bytes)
-        if device == "cuda":
-            most = min(most, gpus // need.ranks)
         rows.append({**asdict(need), "models": list(need.models), "device": device, "fits_cores": fits_cores,
                      "fits_memory": fits_memory, "fits": fits_cores and fits_memory,
                      "max_students": int(most)})  # fmt: skip

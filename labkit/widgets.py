@@ -28,7 +28,7 @@ def log_slider(
     `low` moved down by less than one step (and the range widens to hold a `value` outside it).
     """
     exponent = math.log(value, base)
-    steps_below = max(0, math.floor((exponent - low) / step + 1e-9))
+    steps_below = max(0, math.ceil((exponent - low) / step - 1e-9))  # min in (low - step, low]
     return W.FloatLogSlider(
         value=value,
         base=base,

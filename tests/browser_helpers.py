@@ -1,7 +1,8 @@
 """What tests/test_browser.py stands on: the lab's own JupyterLab on a free loopback port, Debian's Chromium
 driven by Playwright, and the slide count a notebook's `slideshow` metadata promises.
 
-JupyterLab is started with the command `make lab` runs, plus a token, a loopback address and settings and
+JupyterLab is started with the command `make lab` runs, read from the Makefile by a dry run (`make -n lab
+PORT=... ARGS=...`): the port is a free one, and ARGS adds a token, a loopback address and settings and
 workspaces in the test's own folder. Both it and Chromium are context managers that stop what they started,
 kernels included, whatever happens inside them.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -68,26 +70,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def lab_command(notebook_dir: Path, port: int, token: str, state_dir: Path) -> list[str]:
-    """The Makefile's `lab` command (`jupyter lab --notebook-dir D --port P`, `--allow-root` as root,
-    `--no-browser`), on loopback with a token, its settings and workspaces kept under `state_dir`."""
-    root = ["--allow-root"] if os.geteuid() == 0 else []
-    return [
-        str(VENV_BIN / "jupyter"),
-        "lab",
-        "--notebook-dir",
-        str(notebook_dir),
-        "--port",
-        str(port),
-        *root,
-        "--no-browser",
-        "--ServerApp.ip=127.0.0.1",
-        "--ServerApp.port_retries=0",
-        f"--IdentityProvider.token={token}",
-        f"--LabApp.user_settings_dir={state_dir / 'user-settings'}",
-        f"--LabApp.workspaces_dir={state_dir / 'workspaces'}",
-        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-    ]
+def make_lab_command(port: int, args: list[str]) -> list[str]:
+    """The command `make lab PORT=port ARGS=args` runs in the checkout, from a dry run (`make -n`); its
+    program resolved against the checkout, its other arguments (the notebook folder) left as make gives them.
+    A set-up that is not done, or out of date, fails the test: `make lab` would redo it first."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PORT", "ARGS", "VENV", "PYTHON")}  # fmt: skip
+    quoted = " ".join(shlex.quote(a) for a in args)
+    assert "$" not in quoted, f"make would expand the $ in ARGS={quoted}"
+    dry = subprocess.run(
+        ["make", "--no-print-directory", "-n", "lab", f"PORT={port}", f"ARGS={quoted}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert dry.returncode == 0, f"`make -n lab` failed:\n{dry.stderr}"
+    lines = [ln for ln in dry.stdout.splitlines() if ln.strip()]
+    if len(lines) != 1:
+        pytest.fail(
+            "`make -n lab` would run more than JupyterLab (the set-up is not done or is out of date); "
+            "run `make setup`, then the browser tests again:\n" + dry.stdout,
+            pytrace=False,
+        )
+    argv = shlex.split(lines[0])
+    assert Path(argv[0]).name == "jupyter" and argv[1] == "lab", f"`make lab` runs {lines[0]!r}"
+    return [str(ROOT / argv[0]), *argv[1:]]
+
+
+def lab_command(port: int, token: str, state_dir: Path) -> list[str]:
+    """`make lab`'s command with ARGS: no browser, on loopback only (and that port or none), a token, and
+    its settings and workspaces kept under `state_dir`."""
+    return make_lab_command(
+        port,
+        [
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--LabApp.user_settings_dir={state_dir / 'user-settings'}",
+            f"--LabApp.workspaces_dir={state_dir / 'workspaces'}",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ],
+    )
 
 
 def _quiet_settings(settings_dir: Path) -> None:
@@ -116,9 +142,15 @@ def _kernel_pids(runtime_dir: Path) -> list[int]:
 
 
 @contextmanager
-def running_lab(notebook_dir: Path, state_dir: Path) -> Iterator[tuple[str, str]]:
-    """Start JupyterLab on `notebook_dir`; yield (base URL, token); stop it and its kernels on the way out."""
+def running_lab(workdir: Path, state_dir: Path) -> Iterator[tuple[str, str]]:
+    """Start JupyterLab as `make lab` does, but in `workdir`, so that the notebook folder it names (`notebooks`)
+    is `workdir`'s; yield (base URL, token); stop it and its kernels on the way out."""
     port, token = free_port(), os.urandom(16).hex()
+    command = lab_command(port, token, state_dir)
+    served = command[command.index("--notebook-dir") + 1]
+    assert (workdir / served).is_dir(), (
+        f"`make lab` serves {served}/: put the notebooks in {workdir / served}"
+    )
     runtime_dir = state_dir / "runtime"
     runtime_dir.mkdir(parents=True, exist_ok=True)
     _quiet_settings(state_dir / "user-settings")
@@ -128,7 +160,8 @@ def running_lab(notebook_dir: Path, state_dir: Path) -> Iterator[tuple[str, str]
     base = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            lab_command(notebook_dir, port, token, state_dir),
+            command,
+            cwd=workdir,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

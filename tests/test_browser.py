@@ -2,8 +2,8 @@
 
 1. The budget calculator of notebooks/01_memory.ipynb: open (a copy of the notebook cut after the calculator
    cell, on the `labkit` kernel), run all cells, check what renders, press the right arrow on the ranks
-   slider, and check that the table and the figure follow, against `labkit.budget.plan` for the inputs the
-   controls display.
+   slider, and check that the table and the figure follow: the table is `labkit.budget.plan`'s for the inputs
+   the controls display, the figure is the PNG `labkit.plots` draws for that plan.
 2. A deck built by `labkit slides`: stepped through with the keyboard, slide count from the notebook's
    `slideshow` metadata.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import time
@@ -31,11 +32,12 @@ from browser_helpers import (
     artifacts_dir,
     chromium,
     expected_slide_count,
+    make_lab_command,
     notebook_copy,
     running_lab,
 )
 
-from labkit import budget, widgets
+from labkit import budget, plots, widgets
 
 NOTEBOOK = ROOT / "notebooks" / "01_memory.ipynb"  # the one with the calculator; fast up to it
 CALCULATOR_CALL = "budget_calculator("
@@ -147,6 +149,18 @@ def _calculator_arguments(notebook: dict) -> dict:
     return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
 
 
+def _expected_png(shown: dict) -> bytes:
+    """The PNG `labkit.plots` draws for plan() of these inputs: what the calculator's figure must show."""
+    opts = dict(shown)
+    result = budget.plan(opts.pop("params"), opts.pop("world_size"), opts.pop("strategy"), **opts)
+    return plots.figure_png(plots.budget_figure(result))
+
+
+def _shown_png(img) -> bytes:
+    """The bytes behind the image element's src (ipywidgets' Image sets a blob: URL of the widget's value)."""
+    return bytes(img.evaluate("async i => [...new Uint8Array(await (await fetch(i.src)).arrayBuffer())]"))
+
+
 def _wait_for_image(img) -> None:
     img.wait_for(state="visible")
     img.page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=img.element_handle())
@@ -158,7 +172,7 @@ def test_calculator_runs_and_follows_its_slider_in_jupyterlab(open_page, tmp_pat
     notebook_dir.mkdir()
     copy = notebook_copy(NOTEBOOK, notebook_dir, CALCULATOR_CALL)
     shots = artifacts_dir()
-    with running_lab(notebook_dir, tmp_path / "lab") as (base, token):
+    with running_lab(tmp_path, tmp_path / "lab") as (base, token):  # serves tmp_path/notebooks
         specs = page.request.get(f"{base}/api/kernelspecs?token={token}").json()["kernelspecs"]
         assert KERNEL in specs, (
             f"the {KERNEL!r} Jupyter kernel is not registered (found {sorted(specs)}); run `make setup`"
@@ -212,6 +226,11 @@ def test_calculator_runs_and_follows_its_slider_in_jupyterlab(open_page, tmp_pat
             assert box["height"] / box["width"] == pytest.approx(natural[1] / natural[0], rel=0.02), (
                 "the figure is drawn distorted"
             )
+            # Byte for byte: matplotlib's Agg PNG of the same figure is the same bytes in the kernel and here
+            # (same venv, fonts and rcParams; the inline backend sets no rcParams), metadata included.
+            assert _shown_png(figure) == _expected_png(before), (
+                "the figure is not the plan of the inputs shown"
+            )
             before_src, before_png = figure.get_attribute("src"), figure.screenshot()
             widget.screenshot(path=str(shots / "calculator-before.png"))
 
@@ -232,6 +251,9 @@ def test_calculator_runs_and_follows_its_slider_in_jupyterlab(open_page, tmp_pat
             assert ("memory per rank", "state total", budget.format_bytes(state)) in _table_rows(table)
             assert figure.get_attribute("src") != before_src
             assert figure.screenshot() != before_png, "the figure did not change"
+            expected = _expected_png(after)
+            assert expected != _expected_png(before), "the two plans draw the same figure: the check is void"
+            assert _shown_png(figure) == expected, f"the figure is not the plan of {next_ranks} ranks"
             widget.screenshot(path=str(shots / "calculator-after.png"))
     print(f"screenshots: {shots}/lab-01_memory-ran.png, calculator-before.png, calculator-after.png")
 
@@ -288,6 +310,20 @@ def test_slide_decks_step_through_with_the_keyboard(open_page, tmp_path):
         assert seen[-1] == seen[-2] == expected - 1, f"the space bar did not stop on the last slide: {seen}"
         page.screenshot(path=str(artifacts_dir() / f"slides-{NOTEBOOK.stem}-last.png"), animations="disabled")
     print(f"screenshots: {artifacts_dir()}/slides-{NOTEBOOK.stem}-first.png, slides-{NOTEBOOK.stem}-last.png")
+
+
+def test_lab_command_is_the_makefiles_own():
+    argv = make_lab_command(
+        8123, ["--no-browser", "--IdentityProvider.token=a b", "--ServerApp.ip=127.0.0.1"]
+    )
+    recipe = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if ln.startswith("\t") and
+                  "jupyter lab" in ln)  # fmt: skip
+    assert recipe == "\t$(VENV)/bin/jupyter lab --notebook-dir notebooks --port $(PORT) $(ROOT) $(ARGS)", (
+        "the Makefile's lab recipe changed: check what running_lab expects of it"
+    )
+    root = ["--allow-root"] if os.geteuid() == 0 else []
+    assert argv == [str(ROOT / ".venv" / "bin" / "jupyter"), "lab", "--notebook-dir", "notebooks", "--port",
+                    "8123", *root, "--no-browser", "--IdentityProvider.token=a b", "--ServerApp.ip=127.0.0.1"]  # fmt: skip
 
 
 def test_a_missing_chromium_fails_with_the_command_that_installs_it(monkeypatch, tmp_path):

@@ -33,6 +33,8 @@ from labkit.model import build_model, count_params
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "instructor.md"
+RESULTS = ROOT / "benchmarks" / "results.md"  # `make bench` writes it; the guide quotes its course timings
+COURSE_SECTION = "## The course, end to end"
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 PIN = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)==(?P<version>[^\s;#]+)$")
 SUBMISSIONS = {"alice.ipynb": "01_memory.ipynb", "bob.ipynb": "06_hsdp.ipynb"}  # cheap ones (seconds each)
@@ -159,10 +161,65 @@ def test_resource_table_is_the_notebooks_own_figures():
     rows = _table(GUIDE.read_text(), "| notebook | ranks |")
     needs = {n.notebook: n for n in classroom.notebook_needs()}
     assert [r[0] for r in rows] == NOTEBOOKS == list(needs)
-    for name, ranks, gpus, memory, run_time in rows:
+    for name, ranks, gpus, memory, _run_time in rows:
         assert int(ranks) == int(gpus) == needs[name].ranks, name
         assert memory == f"{needs[name].memory_bytes / 1e9:.1f} GB", name
-        assert re.fullmatch(r"\d+ s \(\d+ s\)", run_time), run_time
+
+
+def benchmark_course_seconds(markdown: str) -> tuple[str, dict[str, int]]:
+    """(the run's "DATE on MACHINE", {name: seconds}) from benchmarks/results.md: its title and the lines
+    `- NAME: N s` of its "The course, end to end" section (notebooks, grading; the total as "total")."""
+    title = re.match(r"# Benchmarks \((\d{4}-\d\d-\d\d), (.+)\)$", markdown.splitlines()[0])
+    assert title, f"{RESULTS.name} does not start with '# Benchmarks (DATE, MACHINE)'"
+    lines = markdown.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(COURSE_SECTION)]
+    if not starts:
+        pytest.fail(f"{RESULTS} has no {COURSE_SECTION!r} section: regenerate it with `make bench` "
+                    "(without --quick or --no-course), then quote its figures in the guide", pytrace=False)  # fmt: skip
+    seconds = {}
+    for line in lines[starts[0] + 1 :]:
+        if line.startswith("#"):
+            break
+        if m := re.fullmatch(r"- (.+): (\d+) s", line):
+            seconds[m[1]] = int(m[2])
+        elif m := re.match(r"- total (\d+) s", line):
+            seconds["total"] = int(m[1])
+    return f"{title[1]} on {title[2]}", seconds
+
+
+def test_guide_quotes_the_course_timings_of_benchmarks_results():
+    run, seconds = benchmark_course_seconds(RESULTS.read_text())
+    guide = GUIDE.read_text()
+    assert f"run of {run}:" in guide, f"the guide names the run it quotes: 'run of {run}:'"
+    measured = {name.removesuffix(".ipynb"): s for name, s in seconds.items() if name.endswith(".ipynb")}
+    assert list(measured) == NOTEBOOKS, f"{RESULTS.name} times {list(measured)}, the course is {NOTEBOOKS}"
+    quoted = {}
+    for name, *_, run_time in _table(guide, "| notebook | ranks |"):
+        m = re.fullmatch(r"(\d+) s", run_time)
+        assert m, f"{name}: run time {run_time!r} is not 'N s'"
+        quoted[name] = int(m[1])
+    assert quoted == measured, f"the guide's run times differ from {RESULTS.name}: update the guide's table"
+    m = re.search(r"Grading all the solutions \(`labkit grade solutions/`\) took (\d+) s, and the whole\s+"
+                  r"course, grading included, (\d+) s", guide)  # fmt: skip
+    assert m, "the guide quotes the grading time and the total"
+    assert (int(m[1]), int(m[2])) == (seconds["grading all solutions"], seconds["total"]), (
+        f"the guide's grading time and total differ from {RESULTS.name}"
+    )
+
+
+def test_benchmark_course_seconds_reads_the_section_it_names():
+    text = (
+        "# Benchmarks (2031-01-02, aarch64, 8 threads, torch 9.9, CPU gloo)\n\n## Step time\n\n- a.ipynb: 1 s\n\n"
+        f"{COURSE_SECTION} (papermill)\n\n- 00_x.ipynb: 7 s\n- 01_y.ipynb: 123 s\n"
+        "- grading all solutions: 40 s\n- total 170 s (target < 600 s)\n\n## Against the targets\n\n"
+        "- course 170 s (target < 600 s): met\n"
+    )
+    assert benchmark_course_seconds(text) == (
+        "2031-01-02 on aarch64, 8 threads, torch 9.9, CPU gloo",
+        {"00_x.ipynb": 7, "01_y.ipynb": 123, "grading all solutions": 40, "total": 170},
+    )
+    with pytest.raises(pytest.fail.Exception, match="make bench"):
+        benchmark_course_seconds(text.replace(COURSE_SECTION, "## Something else"))
 
 
 def test_workshop_order_names_every_notebook_and_exercise():
@@ -326,9 +383,7 @@ def test_doctor_class_verdicts_follow_this_machine(students, capsys):
         assert (row["ranks"], row["memory_bytes"]) == (ranks, need), name
         fits = ranks * students <= slots and need * students <= memory
         assert row["fits"] == fits, (name, row)
-        most = min(slots // ranks, memory // need)
-        if row["device"] == "cuda":  # a GPU rank needs a GPU of its own
-            most = min(most, node["gpus"] // ranks)
+        most = min(slots // ranks, memory // need)  # on GPUs or CPU ranks, each rank takes a slot
         assert row["device"] == ("cuda" if node["gpus"] // students >= ranks else "cpu"), name
         assert row["max_students"] == most, name
     assert klass["fits"] == all(r["fits"] for r in rows.values())
@@ -362,6 +417,94 @@ def test_class_report_on_a_node_with_gpus():
     report = classroom.class_report(crowd, needs, node)
     [row] = [r for r in report["notebooks"] if r["notebook"] == big.notebook]
     assert not row["fits_memory"] and not row["fits"]
+
+
+# Made-up notebooks for the worked examples below. RANK_BYTES_ESTIMATE is 500 MiB = 524,288,000 B; the
+# memory is (ranks + 1 kernel) x 524,288,000 + ranks x state, worked out by hand: tiny has 489,024 parameters
+# (embeddings 18,432 + 4,608, four blocks of 111,840, final norm 192, head 18,432), 16 B each for an fp32
+# AdamW replica = 7,824,384 B per rank.
+FOUR = classroom.NotebookNeed("four", 4, (), 0, 2_621_440_000)  # 5 x 524,288,000
+TWO = classroom.NotebookNeed("two", 2, ("tiny",), 7_824_384, 1_588_512_768)  # 3 x 524,288,000 + 2 x 7,824,384
+EIGHT = classroom.NotebookNeed("eight", 8, (), 0, 4_718_592_000)  # 9 x 524,288,000
+
+
+def _verdicts(report: dict) -> dict[str, tuple[str, bool, bool, int]]:
+    return {r["notebook"]: (r["device"], r["fits_cores"], r["fits_memory"], r["max_students"])
+            for r in report["notebooks"]}  # fmt: skip
+
+
+def test_class_of_5_on_a_cpu_node_worked_by_hand():
+    assert RANK_BYTES_ESTIMATE == 524_288_000 and RANKS_PER_CORE == 4  # the figures the answers use
+    node = {"cpu_cores": 8, "memory_bytes": 16_000_000_000, "gpus": 0}
+    report = classroom.class_report(5, [FOUR, TWO, EIGHT], node)
+    # 32 CPU ranks // 5 = 6; 16 GB / 5 = 3.2 GB holds the kernel's 524,288,000 B and 5 more ranks (6.10 - 1).
+    assert report["per_student"] == {"cpu_cores": 1.6, "memory_bytes": 3_200_000_000, "gpus": 0, "ranks": 5}
+    assert _verdicts(report) == {
+        "four": ("cpu", True, True, 6),  # 20 of 32 ranks, 13.1 of 16 GB; 7 x 2.62 GB > 16 GB
+        "two": ("cpu", True, True, 10),  # 10 of 32 ranks, 7.9 of 16 GB; 11 x 1.59 GB > 16 GB
+        "eight": ("cpu", False, False, 3),  # 40 ranks > 32, 23.6 GB > 16; 4 x 4.7 GB > 16 GB
+    }
+    assert [r["fits"] for r in report["notebooks"]] == [True, True, False] and not report["fits"]
+    assert report["advice"] == [
+        "eight needs 8 ranks and 4.7 GB per student; 5 students need 40 ranks on 8 cores (4 per core) and "
+        "23.6 GB of 16.0 GB available: at most 3 at once here: stagger it, pair students on one server, or "
+        "spread the class over 2 such nodes"
+    ]
+    assert classroom.format_class(report).splitlines()[0] == (
+        "class of 5: this node has 8 cpu cores, 16.0 GB available, 0 gpus; each student gets 1.6 cores, "
+        "3.2 GB, 0 gpus, 5 ranks"
+    )
+
+
+def test_class_of_2_on_a_gpu_node_worked_by_hand():
+    node = {"cpu_cores": 16, "memory_bytes": 64_000_000_000, "gpus": 4}
+    report = classroom.class_report(2, [FOUR, TWO, EIGHT], node)
+    # 64 CPU ranks // 2 = 32; 32 GB each holds 60 ranks beside the kernel (61.04 - 1); 4 GPUs // 2 = 2 each.
+    assert report["per_student"] == {"cpu_cores": 8, "memory_bytes": 32_000_000_000, "gpus": 2, "ranks": 32}
+    assert _verdicts(report) == {
+        "four": ("cpu", True, True, 16),  # 2 GPUs < 4 ranks: CPU ranks; 64 // 4 = 16 < 64 GB // 2.62 GB = 24
+        "two": ("cuda", True, True, 32),  # a GPU per rank; 64 // 2 = 32 < 64 GB // 1.59 GB = 40
+        "eight": ("cpu", True, True, 8),  # 64 // 8 = 8 < 64 GB // 4.72 GB = 13
+    }
+    assert report["fits"]
+    assert report["advice"] == [
+        "2 student(s) fit: each may use 32 ranks (8 cores, 32.0 GB); the largest default is 8 ranks (eight)"
+    ]
+    # A third student leaves each 1 GPU: the 2-rank notebook moves to CPU ranks and still fits (3 <= 32).
+    three = classroom.class_report(3, [FOUR, TWO, EIGHT], node)
+    assert _verdicts(three)["two"] == ("cpu", True, True, 32) and three["fits"]
+
+
+def test_notebook_need_of_a_made_up_notebook_worked_by_hand(tmp_path):
+    params = nbformat.v4.new_code_cell('world_size = 2\nhpz_world_size = 3\nmodel = "tiny"\nsteps = 2 * 5\n')
+    params.metadata["tags"] = ["parameters"]
+    cells = [
+        nbformat.v4.new_markdown_cell('model="small" in prose is not a model the notebook trains'),
+        params,
+        nbformat.v4.new_code_cell("%time x = 1"),  # a magic: not Python, skipped
+        nbformat.v4.new_code_cell('run(world_size=world_size, model="tiny_deep")\nplot(model="no_such")'),
+    ]
+    path = tmp_path / "09_made_up.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    # The largest *world_size is 3; tiny_deep (16 blocks of 111,840: 1,831,104 parameters x 16 B) is the larger
+    # replica: 29,297,664 B; memory 4 x 524,288,000 + 3 x 29,297,664.
+    assert classroom.notebook_need(path) == classroom.NotebookNeed(
+        "09_made_up", 3, ("tiny", "tiny_deep"), 29_297_664, 2_185_044_992
+    )
+
+
+def test_doctor_class_prints_the_verdicts_of_its_node(monkeypatch, capsys):
+    monkeypatch.setattr(
+        classroom, "node_capacity", lambda: {"cpu_cores": 8, "memory_bytes": 16 * 10**9, "gpus": 0}
+    )
+    monkeypatch.setattr(classroom, "notebook_needs", lambda notebooks_dir=None: [FOUR, TWO, EIGHT])
+    status = main(["doctor", "--skip-smoke", "--class", "5", "--json", "-"])
+    report = json.loads(capsys.readouterr().out)
+    assert _verdicts(report["class"])["eight"] == ("cpu", False, False, 3)
+    [line] = [p for p in report["problems"] if p.startswith("eight needs")]
+    assert line.endswith("at most 3 at once here: stagger it, pair students on one server, or spread the class "
+                         "over 2 such nodes")  # fmt: skip
+    assert status == 1
 
 
 def test_doctor_class_0_is_a_usage_error(capsys):

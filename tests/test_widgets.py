@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -63,6 +65,19 @@ def test_display_bundle_has_widget_view_and_static_fallback(calc):
     static = widgets.budget_calculator(1e9, 8, static=True)._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" not in static
     assert static["image/png"][:4] == b"\x89PNG" and "<table" in static["text/html"]
+
+
+def test_params_slider_puts_the_default_30e9_on_its_grid():
+    # The browser snaps the handle to the exponents min + k x step. log10(30e9) = 10.477121254719663 is
+    # 447.71 steps of 0.01 above 6, so min is 6 moved down to 448 steps below it: 5.997121254719663.
+    slider = widgets.budget_calculator().controls["params"]
+    assert (slider.base, slider.step, slider.max, slider.readout_format) == (10, 0.01, 13, ".3g")
+    assert slider.min == pytest.approx(5.997121254719663, abs=1e-12)
+    assert slider.min <= 6 < slider.min + slider.step, "the range starts at most one step below 1e6"
+    assert (math.log10(30e9) - slider.min) / slider.step == pytest.approx(448, abs=1e-9)
+    on_grid = [10 ** (slider.min + k * slider.step) for k in (447, 448, 449)]
+    assert on_grid[1] == pytest.approx(30e9, rel=1e-12) and slider.value == 30e9
+    assert [format(v, slider.readout_format) for v in on_grid] == ["2.93e+10", "3e+10", "3.07e+10"]
 
 
 def test_plots_are_figures_with_one_segment_per_term():
