@@ -5,56 +5,87 @@ from __future__ import annotations
 import json
 
 import pytest
+from engine_helpers import assert_close, reference_losses
 
+from labkit.budget import collective_wire_bytes
 from labkit.cli import main
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.model import build_model, count_params
 
 
-def test_compare_writes_the_contract_json_and_prints_a_table(tmp_path, capsys):
+def run_compare(tmp_path, capsys, engines: list[str], world_size: int, steps: int, seed: int):
+    """`labkit compare` through the CLI: (its JSON, the table's lines on stdout, stderr)."""
     out = tmp_path / "compare.json"
-    argv = [
-        "compare",
-        "--engines",
-        "single,ddp",
-        "--world-size",
-        "2",
-        "--steps",
-        "3",
-        "--seed",
-        "1",
-        "--json",
-        str(out),
-    ]
+    argv = ["compare", "--engines", ",".join(engines), "--world-size", str(world_size), "--steps", str(steps),
+            "--seed", str(seed), "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     captured = capsys.readouterr()
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), captured.out.splitlines(), captured.err
 
+
+def assert_contract(result: dict, engines: list[str], world_size: int, steps: int, seed: int) -> None:
+    """The JSON of DESIGN.md's `labkit compare` contract, with real values, for every engine run."""
     cfg = result["config"]
     assert {k: cfg[k] for k in ("model", "world_size", "steps", "dtype", "seed")} == {
-        "model": "tiny", "world_size": 2, "steps": 3, "dtype": "float32", "seed": 1}  # fmt: skip
-    assert cfg["n_params"] == count_params(build_model("tiny", 1))
-    assert list(result["engines"]) == ["single", "ddp"]
+        "model": "tiny", "world_size": world_size, "steps": steps, "dtype": "float32", "seed": seed}  # fmt: skip
+    assert cfg["n_params"] == count_params(build_model("tiny", seed))
+    assert list(result["engines"]) == engines
     for name, rec in result["engines"].items():
         assert set(rec) >= {"losses", "step_time_s", "state_bytes", "peak_mem_bytes", "comm", "timeline"}
-        assert len(rec["losses"]) == len(rec["step_time_s"]) == 3
+        assert len(rec["losses"]) == len(rec["step_time_s"]) == steps
         assert all(t > 0 for t in rec["step_time_s"])
-        assert sum(rec["state_bytes"].values()) > 16 * cfg["n_params"]
-        assert len(rec["peak_mem_bytes"]) == (1 if name == "single" else 2)
+        assert set(rec["state_bytes"]) == {"params", "grads", "optimizer"}
+        # Every engine keeps at least the 16 B/param of fp32 AdamW, summed over its ranks.
+        ranks = 1 if name == "single" else world_size
+        assert ranks * sum(rec["state_bytes"].values()) >= 16 * cfg["n_params"], name
+        assert len(rec["peak_mem_bytes"]) == ranks and all(b > 0 for b in rec["peak_mem_bytes"])
         for counts in rec["comm"].values():
             assert set(counts) == {"calls", "payload_bytes", "wire_bytes"} and counts["calls"] > 0
+        assert (name == "single") == (rec["comm"] == {}), name
+        assert {e["rank"] for e in rec["timeline"]} == set(range(ranks))
         for e in rec["timeline"]:
             assert {"rank", "kind", "name", "start_s", "end_s"} <= set(e) and e["end_s"] >= e["start_s"]
-    assert result["engines"]["single"]["losses"] == pytest.approx(
-        result["engines"]["ddp"]["losses"], rel=1e-4
-    )
-    assert result["engines"]["ddp"]["comm"]["all_reduce"]["wire_bytes"] > 0
 
-    table = captured.out.splitlines()
+
+FIVE_ENGINES = ["single", "ddp", "scratch", "fsdp2", "deepspeed"]
+
+
+def test_compare_of_all_five_engines_writes_the_contract_and_matches_single(tmp_path, capsys):
+    # DESIGN.md's own example, with ddp too: 4 ranks, 10 float32 steps against `single` (issue 4's acceptance;
+    # world sizes 2 and 3 are covered in test_fsdp2 and test_deepspeed, without this command's launch costs).
+    n, steps, seed = 4, 10, 1
+    result, table, err = run_compare(tmp_path, capsys, FIVE_ENGINES, n, steps, seed)
+    from labkit.engines import (
+        deepspeed,
+        fsdp2,
+        scratch,
+    )  # after the run: importing DeepSpeed prints to stdout
+
+    assert_contract(result, FIVE_ENGINES, n, steps, seed)
+    engines = result["engines"]
+    # `single` is the oracle; it is plain torch AdamW on the global batch, and every engine matches it.
+    assert_close(engines["single"]["losses"], reference_losses(RunConfig(steps=steps, seed=seed)))
+    for name in FIVE_ENGINES[1:]:
+        assert_close(engines[name]["losses"], engines["single"]["losses"], rel=1e-4)
+
+    # The same probe measures every engine; tiny divides by 4, so nothing is padded.
+    param_bytes = 4 * result["config"]["n_params"]
+    cfg, model = RunConfig(world_size=n, steps=steps, seed=seed), build_model("tiny", seed)
+    assert engines["ddp"]["comm"]["all_reduce"]["wire_bytes"] == collective_wire_bytes(
+        "all_reduce", param_bytes, n
+    )
+    for name, engine in (("scratch", scratch), ("fsdp2", fsdp2), ("deepspeed", deepspeed)):
+        wire = {k: row["wire_bytes"] for k, row in engines[name]["comm"].items() if k != "all_reduce"}
+        assert wire == engine.predicted_wire_bytes(model, cfg, n), name
+        assert wire["reduce_scatter"] == collective_wire_bytes("reduce_scatter", param_bytes, n), name
+
+    # The table is printed last; ranks' own output (DeepSpeed's op loader) streams to stdout before it.
+    title = f"model tiny ({result['config']['n_params']:,} params), world size {n}, {steps} steps"
+    table = table[next(i for i, line in enumerate(table) if line.startswith(title)) :]
     assert table[1].split()[:3] == ["engine", "final", "loss"]
-    assert [row.split()[0] for row in table[2:]] == ["single", "ddp"]
-    assert "labkit compare: single done" in captured.err and "labkit compare: ddp done" in captured.err
+    assert [row.split()[0] for row in table[2:]] == FIVE_ENGINES
+    assert all(f"labkit compare: {name} done" in err for name in FIVE_ENGINES)
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,12 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections import Counter
+from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
+import torch.distributed as dist
 from engine_helpers import assert_close, reference_losses, train
 
 import labkit
@@ -22,32 +25,78 @@ from labkit.engines import deepspeed as dse
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.engines.ds_config import block_numel, ds_config
-from labkit.model import build_model, count_params
+from labkit.model import batch, build_model, count_params
+from labkit.probes import Probes
 
 TIMEOUT_S = 600  # a cold ~/.cache/torch_extensions builds DeepSpeed's CPU ops first (~3 min)
 BF16_REL = 1e-2  # bf16 compute vs the float32 oracle over 3 steps (measured below 1e-3)
 
 
 def _variants(cases: list[tuple[str, RunConfig]]) -> dict:
-    """Rank side: each case on fresh weights: losses and itemised state, or the error sentence."""
+    """Rank side: each case on fresh weights: losses and itemised state, or the error sentence.
+
+    A case with `comms_logger` trains step by step under labkit's probe (installed before DeepSpeed starts,
+    as the loop does), and keeps what both instruments saw in each step.
+    """
     out = {}
     n_params = count_params(build_model())
+    info = loop.rank_info()
+    probes = Probes(info.rank, info.device)
     for name, cfg in cases:
+        logged = cfg.options.get("comms_logger")
         try:
-            engine = dse.build(cfg, build_model(cfg.model, cfg.seed), loop.rank_info())
+            with probes if logged else nullcontext():
+                engine = dse.build(cfg, build_model(cfg.model, cfg.seed), info)
+                per_step = _train_beside_comms_logger(engine, cfg, probes) if logged else None
         except ValueError as e:
             out[name] = {"error": str(e)}
             continue
-        out[name] = {"losses": train(engine, cfg), "state": dse.itemise_state_bytes(engine, n_params)}
-        if cfg.options.get("comms_logger"):
-            out[name]["comms_logger"] = dse.comms_logger_summary()
+        if per_step is None:
+            out[name] = {"losses": train(engine, cfg)}
+        else:
+            out[name] = {"losses": [s["loss"] for s in per_step], "per_step": per_step}
+        out[name]["state"] = dse.itemise_state_bytes(engine, n_params)
+    return out
+
+
+def _logged_sizes() -> dict[str, Counter]:
+    """DeepSpeed's comms logger so far (`comms_logger_summary`): per op, calls per message size (bytes)."""
+    return {op: Counter(row["calls_by_size"]) for op, row in dse.comms_logger_summary().items()}
+
+
+def _train_beside_comms_logger(engine, cfg: RunConfig, probes: Probes) -> list[dict]:
+    """Train `cfg.steps` steps; per step: the global loss and what each instrument saw in that step.
+
+    "logged": the comms logger's calls per message size, per op; "probed": the probe's calls per payload
+    size, per collective kind (bytes).
+    """
+    n, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for step in range(cfg.steps):
+        tokens, targets = batch(step, cfg.model, cfg.seed, n, rank)
+        before = _logged_sizes()
+        with probes.step(step):
+            loss = engine.forward_loss(tokens, targets)
+            engine.backward(loss)
+            engine.optimizer_step()
+        logged = {op: sizes - before.get(op, Counter()) for op, sizes in _logged_sizes().items()}
+        probed: dict[str, Counter] = {}
+        for call in probes.comm.calls:
+            if call.step == step:
+                probed.setdefault(call.kind, Counter())[call.payload_bytes] += 1
+        # The global loss: outside the step, and not through deepspeed.comm, so neither instrument counts it.
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        out.append({"loss": mean.item() / n, "logged": logged, "probed": probed})
     return out
 
 
 def test_deepspeed_matches_single_with_each_option_on_two_ranks():
     base = RunConfig(world_size=2, steps=3)
     cases = {
-        "fp32": replace(base, steps=5, options={"comms_logger": True}),
+        # First: DeepSpeed's backend keeps the torch.distributed functions it finds at its first init, so the
+        # probe must be installed then to see its collectives (later cases' calls land in it unread).
+        "fp32": replace(base, steps=10, options={"comms_logger": True}),
         "bf16": replace(base, dtype="bfloat16"),
         "offload_optimizer": replace(base, offload="cpu"),
         "offload_all": replace(base, offload="cpu", options={"offload_param": True}),
@@ -84,15 +133,31 @@ def test_deepspeed_matches_single_with_each_option_on_two_ranks():
     assert rows[("params", "persistent full copy")] == 4 * n_params
     assert rows[("grads", "reduce bucket (flat)")] == 4 * 500_000_000
 
-    # DeepSpeed's comms logger: an all-gather's "message" is the input shard, a reduce-scatter's the input.
-    logged = got["fp32"]["comms_logger"]
-    assert logged["all_gather_into_tensor"]["calls"] > 0 and logged["reduce_scatter_tensor"]["calls"] > 0
+    # DeepSpeed's comms logger beside labkit's probe, step by step, call sizes included. The logger's
+    # all-gather "message" is the input shard, 1/n of the probe's payload (the gathered output); a
+    # reduce-scatter's is the full input, as is an all-reduce's or a broadcast's: the probe's payload.
+    # Every DeepSpeed collective goes through deepspeed.comm, so both see the same calls.
+    for step, seen in enumerate(got["fp32"]["per_step"]):
+        logged, probed = seen["logged"], seen["probed"]
+        assert probed["all_gather"] == Counter(
+            {size * n: calls for size, calls in logged["all_gather_into_tensor"].items()}
+        ), step
+        assert probed["reduce_scatter"] == logged["reduce_scatter_tensor"], step
+        assert probed["all_reduce"] == logged["all_reduce"] == Counter({8: 1}), step  # the gradient norm
+        assert probed.get("broadcast", Counter()) == logged.get("broadcast", Counter()), step
+        assert set(probed) <= {"all_gather", "reduce_scatter", "all_reduce", "broadcast"}
+        # The logger's totals against the formula (tiny divides by 2: no padding): with the fair knobs every
+        # parameter is gathered for forward and again for backward, and reduce-scattered once.
+        param_bytes = 4 * n_params
+        assert sum(s * c for s, c in logged["all_gather_into_tensor"].items()) * n == 2 * param_bytes
+        assert sum(s * c for s, c in logged["reduce_scatter_tensor"].items()) == param_bytes
 
 
 @pytest.mark.parametrize(
     "n, kw",
     [
         (2, {}),
+        (3, {"steps": 10}),  # with n=2 above (10 steps) and n=4 in test_compare_cli: issue 4's acceptance
         (3, {"model": "tiny_uneven"}),
         (4, {"options": {"zero_hpz_partition_size": 2}}),
         (2, {"options": {"ds_mode": "defaults"}}),

@@ -192,12 +192,13 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
     return {"all_gather": gathered, "reduce_scatter": reduced}
 
 
-def comms_logger_summary() -> dict[str, dict[str, int]]:
+def comms_logger_summary() -> dict[str, dict[str, Any]]:
     """What DeepSpeed's own comms logger recorded on this rank so far: calls and message bytes per op.
 
     Needs `cfg.options["comms_logger"] = True`. Its "message size" is not labkit's payload: for an
     all-gather it is the input shard (1/n of labkit's payload), for a reduce-scatter the full input (equal
     to labkit's payload); it logs from DeepSpeed's init on, while labkit's probe counts per step.
+    `calls_by_size` is {message bytes: calls}, the logger's own histogram.
     """
     from deepspeed.comm import comms_logger
 
@@ -205,6 +206,7 @@ def comms_logger_summary() -> dict[str, dict[str, int]]:
         op: {
             "calls": sum(v[0] for v in sizes.values()),
             "message_bytes": sum(k * v[0] for k, v in sizes.items()),
+            "calls_by_size": {k: v[0] for k, v in sizes.items()},
         }
         for op, sizes in comms_logger.comms_dict.items()
     }

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -217,7 +219,7 @@ def compile_sharded(cfg: RunConfig) -> dict[str, Any]:
 
     Returns `skipped` with a reason instead when inductor cannot build kernels here (no C++ compiler).
     `graph_breaks` is Dynamo's own count of graph breaks in this process (measured: 0 with torch 2.13, whose
-    Dynamo traces through FSDP2's hooks).
+    Dynamo traces through FSDP2's hooks), `graphs` the number of distinct graphs it compiled.
     """
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return {"skipped": "torch.compile's inductor backend needs a C++ compiler (c++ or $CXX) on PATH"}
@@ -229,26 +231,30 @@ def compile_sharded(cfg: RunConfig) -> dict[str, Any]:
     start_s = time.perf_counter()
     rest = train_steps(engine, RunConfig(**{**cfg.to_dict(), "steps": cfg.steps - 1}), first_step=1)
     later_step_s = (time.perf_counter() - start_s) / max(1, cfg.steps - 1)
-    graph_breaks = torch._dynamo.utils.counters["graph_break"]
+    counters = torch._dynamo.utils.counters
     return {
         "losses": first + rest,
         "first_step_s": compile_step_s,
         "later_step_s": later_step_s,
-        "graph_breaks": sum(graph_breaks.values()),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "graphs": counters["stats"]["unique_graphs"],
     }
 
 
-def comm_debug_counts(cfg: RunConfig) -> dict[str, int]:
+def comm_debug_counts(
+    cfg: RunConfig, beside: Callable[[], AbstractContextManager] = nullcontext
+) -> dict[str, int]:
     """torch's `CommDebugMode` count of each collective op in one fsdp2 step (after one warm-up step).
 
     It counts calls, not bytes; the names are c10d's (e.g. `_allgather_base_`), to set beside labkit's
-    probe, which counts the same calls by their `torch.distributed` function.
+    probe, which counts the same calls by their `torch.distributed` function. `beside()` is a context
+    entered around the same step (and nothing else), e.g. `lambda: probes.step(1)` to tag the probe's calls.
     """
     engine = _engine(cfg)
     train_steps(engine, RunConfig(**{**cfg.to_dict(), "steps": 1}))
     tokens, targets = batch(1, cfg.model, cfg.seed, dist.get_world_size(), dist.get_rank())
     mode = CommDebugMode()
-    with mode:
+    with beside(), mode:
         engine.backward(engine.forward_loss(tokens, targets))
         engine.optimizer_step()
     return {str(op).split(".")[-1]: count for op, count in mode.get_comm_counts().items()}
