@@ -26,7 +26,7 @@ from torch import nn
 import labkit
 from labkit import budget
 from labkit.engines.base import RunConfig, adamw
-from labkit.engines.loop import merge_ranks, rank_info, ranks_for, train_rank, validate
+from labkit.engines.loop import merge_ranks, rank_info, ranks_for, train_rank, train_steps, validate
 from labkit.model import batch, build_model, count_params, loss_fn
 from labkit.probes import Probes
 
@@ -168,27 +168,6 @@ def _fsdp2_engine(cfg: RunConfig, mesh=None):
     return fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), info.device)
 
 
-def _train(engine, cfg: RunConfig, probes: Probes | None = None, first_step: int = 0):
-    """`cfg.steps` steps from `first_step`; the global mean loss of each (reduced outside the probe's steps)."""
-    dp_rank, dp_size = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in range(first_step, first_step + cfg.steps):
-        tokens, targets = batch(step, cfg.model, cfg.seed, dp_size, dp_rank)
-        if probes is None:
-            loss = engine.forward_loss(tokens, targets)
-            engine.backward(loss)
-            engine.optimizer_step()
-        else:
-            with probes.step(step):
-                loss = engine.forward_loss(tokens, targets)
-                engine.backward(loss)
-                engine.optimizer_step()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
-    return losses
-
-
 def fsdp2_placements(cfg: RunConfig, names: Sequence[str] = ("blocks.0.qkv.weight", "blocks.0.ln1.bias",
                                                               "tok.weight")) -> dict[str, Any]:  # fmt: skip
     """What `fully_shard` turned each named parameter into on this rank: type, mesh, placements, shapes."""
@@ -247,7 +226,7 @@ def mixed_precision_by_block(cfg: RunConfig, bf16_blocks: Sequence[int] = (0, 1)
             optimizer.zero_grad(set_to_none=False)
 
     with Probes(info.rank, info.device) as probes:
-        losses = _train(_Engine(), cfg, probes)
+        losses = train_steps(_Engine(), cfg, probes=probes)
     gathers = [c for c in probes.comm.calls if c.kind == "all_gather" and c.step == cfg.steps - 1]
     numel = {i: sum(p.numel() for p in b.parameters()) for i, b in enumerate(model.blocks)}
     return {
@@ -276,7 +255,7 @@ def hsdp_measured(cfg: RunConfig, replicas: int = 2) -> dict[str, Any]:
     engine = _fsdp2_engine(cfg, mesh)
     fsdp2.assert_sharded(engine.model, mesh)
     with Probes(info.rank, info.device) as probes:
-        losses = _train(engine, cfg, probes)
+        losses = train_steps(engine, cfg, probes=probes)
     comm: dict[str, int] = {}
     for c in probes.comm.calls:
         if c.step == cfg.steps - 1:
@@ -338,11 +317,11 @@ def compile_explain(cfg: RunConfig, backend: str = "aot_eager") -> dict[str, Any
     torch._dynamo.reset()
     engine.model = torch.compile(engine.model, backend=backend)
     start_s = time.perf_counter()
-    first = _train(engine, RunConfig(**{**cfg.to_dict(), "steps": 1}))
+    first = train_steps(engine, RunConfig(**{**cfg.to_dict(), "steps": 1}))
     first_step_s = time.perf_counter() - start_s
     start_s = time.perf_counter()
     more = RunConfig(**{**cfg.to_dict(), "steps": cfg.steps - 1})
-    rest = _train(engine, more, first_step=1) if cfg.steps > 1 else []
+    rest = train_steps(engine, more, first_step=1) if cfg.steps > 1 else []
     later_step_s = (time.perf_counter() - start_s) / max(1, cfg.steps - 1)
     return {
         "backend": backend,
@@ -425,7 +404,7 @@ def deepspeed_inspect(cfg: RunConfig) -> dict[str, Any]:
     estimate = ds_engine.memory_estimate(build_model(cfg.model, cfg.seed), info.world_size)
     with Probes(info.rank, info.device) as probes:
         engine = ds_engine.build(cfg, model, info)
-        losses = _train(engine, cfg, probes)
+        losses = train_steps(engine, cfg, probes=probes)
     probe = {}
     for c in probes.comm.calls:
         if c.kind in ("all_gather", "reduce_scatter"):

@@ -7,6 +7,7 @@ first build on a cold cache.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from dataclasses import replace
 
 import pytest
 import torch.distributed as dist
-from engine_helpers import assert_close, reference_losses, train
+from engine_helpers import assert_close, reference_losses
 
 import labkit
 from labkit.budget import collective_wire_bytes, deepspeed_zero_estimate
@@ -52,7 +53,7 @@ def _variants(cases: list[tuple[str, RunConfig]]) -> dict:
             out[name] = {"error": str(e)}
             continue
         if per_step is None:
-            out[name] = {"losses": train(engine, cfg)}
+            out[name] = {"losses": loop.train_steps(engine, cfg)}
         else:
             out[name] = {"losses": [s["loss"] for s in per_step], "per_step": per_step}
         out[name]["state"] = dse.itemise_state_bytes(engine, n_params)
@@ -220,17 +221,15 @@ def test_deepspeed_runs_under_the_deepspeed_launcher(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(
         textwrap.dedent(
-            f"""
-            import os, sys
-            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            """
+            import os
             import labkit
-            from engine_helpers import train
             from labkit.engines import deepspeed as dse, loop
             from labkit.engines.base import RunConfig
             from labkit.model import build_model
 
             def fn(cfg):
-                return train(dse.build(cfg, build_model(), loop.rank_info()), cfg)
+                return loop.train_steps(dse.build(cfg, build_model(), loop.rank_info()), cfg)
 
             losses = labkit.launch(fn, 2, RunConfig(world_size=2, steps=3))
             if os.environ["RANK"] == "0":
@@ -251,7 +250,7 @@ def test_deepspeed_runs_under_the_deepspeed_launcher(tmp_path):
 
 def _nvme_rank(cfg: RunConfig) -> dict:
     engine = dse.build(cfg, build_model(cfg.model, cfg.seed), loop.rank_info())
-    losses = train(engine, cfg)
+    losses = loop.train_steps(engine, cfg)
     rows = {(r["state"], r["what"]): r["bytes"] for r in dse.itemise_state_bytes(engine, 1)}
     files = engine.swap_file_bytes()
     return {"losses": losses, "rows": rows, "files": files, "swap_dir": engine.swap_dir}
@@ -294,3 +293,39 @@ def test_nvme_config_and_its_refusals():
     with pytest.raises(ValueError, match="only the deepspeed engine swaps to files"):
         loop.validate(["single", "fsdp2"], RunConfig(offload="nvme"))
     loop.validate(["single", "deepspeed"], RunConfig(offload="nvme"))
+
+
+def test_quantized_gradients_under_the_deepspeed_launcher_on_cpu_change_nothing_the_probes_see(tmp_path):
+    """qgZ accepted but a no-op: under the `deepspeed` launcher on one CPU node, DeepSpeed takes
+    `zero_quantized_gradients` and runs the plain reduce-scatter. labkit refuses the flag on CPU (it does
+    nothing there); with the refusal lifted, the probes see the very same collectives and bytes, and the
+    losses are the plain run's."""
+    script = tmp_path / "qgz.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import json, os, sys
+            from labkit.engines import deepspeed as dse, loop
+            from labkit.engines.base import RunConfig
+
+            dse.refuse_cuda_only_flags = lambda cfg: None  # let DeepSpeed itself decide what the flag does
+            cases = {"plain": {}, "qgz": {"zero_quantized_gradients": True}}
+            records = {k: loop.run("deepspeed", RunConfig(world_size=2, steps=3, options=v)) for k, v in cases.items()}
+            if os.environ["RANK"] == "0":
+                kept = {k: {"losses": r["losses"], "comm": r["comm"]} for k, r in records.items()}
+                sys.stdout.write("RECORDS " + json.dumps(kept) + "\\n")
+            """
+        )
+    )
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [launcher, "--num_gpus", "2", str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RECORDS "))
+    records = json.loads(line.removeprefix("RECORDS "))
+    plain, qgz = records["plain"], records["qgz"]
+    assert "all_to_all" not in qgz["comm"] and plain["comm"]["reduce_scatter"]["wire_bytes"] > 0
+    assert qgz["comm"] == plain["comm"]  # no all-to-all, no quantized (smaller) payload: the same bytes
+    assert_close(qgz["losses"], plain["losses"], rel=0.0)

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from engine_helpers import assert_close, reference_losses, train
+from engine_helpers import assert_close, reference_losses
 
 import labkit
 from labkit import course
@@ -31,7 +31,7 @@ def _variants(cases: list[tuple[str, RunConfig]]) -> dict:
     for name, cfg in cases:
         engine = fsdp2.build(cfg, build_model(cfg.model, cfg.seed), loop.rank_info())
         placements = set(fsdp2.placements(engine.model).values())
-        losses = train(engine, cfg)
+        losses = loop.train_steps(engine, cfg)
         state = {k: sum(t.numel() * t.element_size() for t in ts) for k, ts in engine.state_tensors().items()}
         prefetch = prefetch_lists(engine.model)
         out[name] = {"losses": losses, "placements": placements, "state": state, "prefetch": prefetch}

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from engine_helpers import reference_losses, train
+from engine_helpers import reference_losses
 from torch import nn
 
 import labkit
 from labkit import budget
 from labkit.engines import scratch
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import rank_info, run
+from labkit.engines.loop import rank_info, run, train_steps
 from labkit.model import batch, build_model, count_params, loss_fn
 from labkit.probes import state_bytes
 from labkit.zero import ShardedAdamW, ZeRO3, checkpoint
@@ -74,7 +74,7 @@ def _train_variants(cfg: RunConfig) -> list[list[float]]:
         run_cfg = RunConfig(**{**cfg.to_dict(), "prefetch": prefetch, "offload": offload,
                                "reshard_after_forward": raf})  # fmt: skip
         engine = scratch.build(run_cfg, build_model(cfg.model, cfg.seed), rank_info())
-        out.append(train(engine, run_cfg))
+        out.append(train_steps(engine, run_cfg))
     return out
 
 
@@ -91,7 +91,7 @@ def test_losses_match_single_with_prefetch_and_offload_on_and_off(model, n):
 
 
 def _bf16_losses(cfg: RunConfig) -> list[float]:
-    return train(scratch.build(cfg, build_model(cfg.model, cfg.seed), rank_info()), cfg)
+    return train_steps(scratch.build(cfg, build_model(cfg.model, cfg.seed), rank_info()), cfg)
 
 
 def test_bfloat16_compute_stays_within_two_percent_of_float32():
@@ -154,7 +154,7 @@ def test_hooks_fire_in_order_and_prefetch_makes_gathers_async(prefetch):
 
 def _state_bytes(cfg: RunConfig) -> dict[str, int]:
     engine = scratch.build(cfg, build_model(cfg.model), rank_info())
-    train(engine, cfg)
+    train_steps(engine, cfg)
     return state_bytes(engine.state_tensors())
 
 
@@ -175,11 +175,11 @@ def test_state_bytes_per_rank_are_16_bytes_per_param_over_n_plus_padding(n):
 def _train_save_resume(cfg: RunConfig, path: str, mode: str) -> list[float]:
     engine = scratch.build(cfg, build_model(cfg.model), rank_info())
     if mode == "save":
-        train(engine, cfg)
+        train_steps(engine, cfg)
         checkpoint.save(path, engine.zero, engine.optimizer)
     else:
         checkpoint.load(path, engine.zero, engine.optimizer)
-    return train(engine, cfg, first_step=cfg.steps)
+    return train_steps(engine, cfg, first_step=cfg.steps)
 
 
 @pytest.mark.parametrize("resume_on", [4, 2, 3])

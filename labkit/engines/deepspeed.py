@@ -29,10 +29,14 @@ from labkit.model import loss_fn
 
 NAME = "deepspeed"
 
-# ZeRO++ flags that DeepSpeed accepts in the config but whose kernels exist only for CUDA.
+# ZeRO++ flags that DeepSpeed accepts in the config but whose kernels exist only for CUDA, and what DeepSpeed
+# itself then does on CPU ranks (measured; the qgZ no-op by tests/test_deepspeed.py's probe run).
+_FAILS = "DeepSpeed itself fails with 'This op had not been implemented on CPU backend'"
 _CUDA_ONLY_FLAGS = {
-    "zero_quantized_weights": "its weight quantizer is a CUDA kernel",
-    "zero_quantized_gradients": "its gradient quantizer is a CUDA kernel",
+    "zero_quantized_weights": f"its weight quantizer is a CUDA kernel ({_FAILS})",
+    "zero_quantized_gradients": f"its gradient quantizer is a CUDA kernel ({_FAILS} under torchrun, and under "
+    "the deepspeed launcher on one node it silently runs the plain reduce-scatter: the probes see the same "
+    "collectives and bytes)",
 }
 
 
@@ -43,8 +47,8 @@ def refuse_cuda_only_flags(cfg: RunConfig) -> None:
     for flag, why in _CUDA_ONLY_FLAGS.items():
         if cfg.options.get(flag):
             raise ValueError(
-                f"{flag}=True does not run on CPU ranks: {why} (DeepSpeed itself fails with 'This op had not "
-                "been implemented on CPU backend'); run it on GPUs, or use the notebook's scale model of it"
+                f"{flag}=True does not run on CPU ranks: {why}; run it on GPUs, or use the notebook's scale "
+                "model of it"
             )
 
 

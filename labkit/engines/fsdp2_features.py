@@ -33,25 +33,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from labkit.engines import fsdp2
 from labkit.engines.base import RunConfig, adamw
-from labkit.engines.loop import rank_info
+from labkit.engines.loop import rank_info, train_steps
 from labkit.model import batch, build_model
-
-
-def train_steps(
-    engine: fsdp2.Fsdp2Engine, cfg: RunConfig, first_step: int = 0, dp: tuple[int, int] | None = None
-):
-    """`cfg.steps` steps from `first_step`; the global mean loss of each. `dp` = (data rank, data ranks)."""
-    dp_rank, dp_size = dp or (dist.get_rank(), dist.get_world_size())
-    losses = []
-    for step in range(first_step, first_step + cfg.steps):
-        tokens, targets = batch(step, cfg.model, cfg.seed, dp_size, dp_rank)
-        loss = engine.forward_loss(tokens, targets)
-        engine.backward(loss)
-        engine.optimizer_step()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)  # outside the engine's step; every rank of a data replica holds the same loss
-        losses.append(mean.item() / dist.get_world_size())
-    return losses
 
 
 def _engine(cfg: RunConfig) -> fsdp2.Fsdp2Engine:

@@ -146,7 +146,7 @@ def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
         losses, step_times_s = [], []
         for step in range(cfg.steps):
             loss, seconds = timed_step(eng, step, batch_on(step), probes)
-            losses.append(loss)
+            losses.append(loss.item())
             step_times_s.append(seconds)
         state = state_bytes(eng.state_tensors())
         swapped = eng.swap_file_bytes() if hasattr(eng, "swap_file_bytes") else {}  # deepspeed's NVMe files
@@ -171,8 +171,8 @@ def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
 
 def timed_step(
     eng: Engine, step: int, data: tuple[torch.Tensor, torch.Tensor], probes: Probes | None = None
-) -> tuple[float, float]:
-    """One training step on `data` (tokens, targets): (this rank's loss, seconds the step took).
+) -> tuple[torch.Tensor, float]:
+    """One training step on `data` (tokens, targets): (this rank's loss, detached float32; seconds it took).
 
     The clock covers forward, backward and the optimizer (and, on GPU, the wait for the device), not
     making the batch nor reading the loss. With `probes` (installed by the caller) the step's events and
@@ -192,7 +192,30 @@ def timed_step(
         if tokens.device.type == "cuda":
             torch.cuda.synchronize(tokens.device)
         seconds = time.perf_counter() - start_s
-    return float(loss.detach().float().item()), seconds
+    return loss.detach().float().clone(), seconds
+
+
+def train_steps(
+    eng: Engine,
+    cfg: RunConfig,
+    first_step: int = 0,
+    dp: tuple[int, int] | None = None,
+    probes: Probes | None = None,
+) -> list[float]:
+    """`cfg.steps` steps of `eng` from `first_step` on this rank; the global mean loss of each.
+
+    The bare loop that the tests, the course and the FSDP2 feature runs share (`train_rank` adds timing,
+    state and memory). `dp` = (data-parallel rank, data-parallel ranks) when not every rank takes its own
+    slice (tensor parallelism, HSDP's replicas); by default each rank of the world takes one. The mean is an
+    all-reduce after the step, outside what `probes` (installed by the caller) count.
+    """
+    dp_rank, dp_size = dp or (dist.get_rank(), dist.get_world_size())
+    losses = []
+    for step in range(first_step, first_step + cfg.steps):
+        loss, _ = timed_step(eng, step, batch(step, cfg.model, cfg.seed, dp_size, dp_rank), probes)
+        dist.all_reduce(loss)  # every rank of a data replica holds the same loss: the mean is over the world
+        losses.append(loss.item() / dist.get_world_size())
+    return losses
 
 
 # ---------------------------------------------------------------------------------------------- parent
