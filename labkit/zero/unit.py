@@ -108,16 +108,22 @@ class ShardedUnit:
     # -------------------------------------------------------------- reduce-scatter: full grads -> shard
 
     def start_reduce_scatter(self, async_op: bool) -> None:
-        """Sum the full gradients over ranks into this rank's shard (float32), then free the full ones."""
+        """Sum the full gradients over ranks into this rank's shard (float32), then free the full ones.
+
+        The send buffer is laid out rank after rank, like the all-gather's receive buffer: rows
+        [r*k, (r+1)*k) of every parameter's gradient (zero-padded to n*k rows) go into rank r's chunk.
+        """
         n = self.world_size
-        send = torch.zeros(n, self.chunk_numel, dtype=torch.float32, device=self.params[0].shard.device)
+        send = torch.empty(n, self.chunk_numel, dtype=torch.float32, device=self.params[0].shard.device)
         for sp in self.params:
+            chunk = send[:, sp.offset : sp.offset + sp.shard_numel]
             grad = sp.param.grad
-            if grad is None:
+            if grad is None:  # a parameter this step did not use: it contributes zeros
+                chunk.zero_()
                 continue
-            padded = grad.new_zeros(sp.full.shape)
-            padded[: sp.d0] = grad
-            send[:, sp.offset : sp.offset + sp.shard_numel] = padded.view(n, -1)
+            if sp.d0 < sp.full.shape[0]:
+                grad = torch.cat([grad, grad.new_zeros(sp.full.shape[0] - sp.d0, *grad.shape[1:])])
+            chunk.copy_(grad.reshape(n, -1))
             sp.param.grad = None
         self._scatter_work = comm.reduce_scatter(self.grad_shard, send.view(-1), self.group, async_op)
         self._scatter_send = send  # kept alive until the collective completes
