@@ -74,7 +74,8 @@ def exposed_comm(cfg: RunConfig, reps: int, comm_to_compute: float = 0.5) -> dic
             steps = sorted({e["step"] for e in rec["timeline"]} - {0})  # step 0 learns the prefetch order
             out[label].append(statistics.fmean(
                 exposed_comm_s([e for e in rec["timeline"] if e["step"] == k], 0) for k in steps))  # fmt: skip
-    return {"link_gbytes": link, **{k: statistics.median(v) for k, v in out.items()}}
+    link_s = wire / (link * 1e9)
+    return {"link_gbytes": link, "link_s": link_s, **{k: statistics.median(v) for k, v in out.items()}}
 
 
 def exposed_floor_ratio(model_name: str) -> float:
@@ -94,10 +95,12 @@ def exposed_floor_ratio(model_name: str) -> float:
 
 
 def _probed_and_bare_steps(cfg: RunConfig, pairs: int) -> dict[str, list[float]]:
-    """On each rank: one scratch engine, its steps alternating bare and probed (s per step, by mode).
+    """On each rank: one scratch engine, its steps in pairs of one bare and one probed (s per step, by mode).
 
     Both modes time the same `timed_step`; a probed step installs the probes (collective wrappers, block
     hooks, spans) just before and removes them just after, so the two see the same engine, data and load.
+    The order within a pair alternates (bare first, then probed first), so a step's place in its pair
+    biases neither mode.
     """
     import torch.distributed as dist
 
@@ -109,7 +112,8 @@ def _probed_and_bare_steps(cfg: RunConfig, pairs: int) -> dict[str, list[float]]
     times: dict[str, list[float]] = {"bare": [], "probed": []}
     for step in range(2 * pairs):
         data = batch(step, cfg.model, cfg.seed, info.world_size, info.rank)
-        mode = ("bare", "probed")[step % 2]
+        pair, second = divmod(step, 2)
+        mode = ("bare", "probed")[second ^ (pair % 2)]  # bare first in even pairs, probed first in odd ones
         dist.barrier()  # every rank starts the step together, as after the loop's barrier
         if mode == "bare":
             times[mode].append(timed_step(engine, step, data)[1])
@@ -204,20 +208,22 @@ def main(argv: list[str] | None = None) -> int:
         print(lines[-1], flush=True)
 
     lines += ["", "## Exposed communication, scratch, 2 ranks, emulated link set so comm = 0.5 x compute", "",
-              "The floor is the share of the traffic that this unit plan cannot hide at any link speed "
-              "(`exposed_floor_ratio`). The last two columns run with no emulated link: what is exposed there is "
-              "gloo's own time, whose copies share the two cores with the ranks' compute.", "",
-              "| model | blocks | link GB/s | exposed, no prefetch ms | exposed, prefetch ms | ratio | floor "
-              "| gloo alone, no prefetch ms | gloo alone, prefetch ms |",
-              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "link ms: the emulated link's time per step (wire bytes / bandwidth). Least exposed: the part of it "
+              "that this unit plan cannot hide behind any compute (`exposed_floor_ratio` x link ms). The last two "
+              "columns run with no emulated link: what is exposed there is gloo's own time, whose copies share the "
+              "two cores with the ranks' compute (the no-prefetch column holds both, so the ratio can fall below "
+              "the least-exposed share).", "",
+              "| model | blocks | link GB/s | link ms | exposed, no prefetch ms | exposed, prefetch ms | ratio "
+              "| least exposed ms | gloo alone, no prefetch ms | gloo alone, prefetch ms |",
+              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     exposed_ratios = {}
     for model in ("tiny", "tiny_deep"):
         exposed = exposed_comm(RunConfig(model=model, world_size=2, steps=steps), reps)
         exposed_ratios[model] = exposed["on"] / exposed["off"]
         lines.append(f"| {model} | {len(build_model(model).blocks)} | {exposed['link_gbytes']:.4f} | "
-                     f"{exposed['off'] * 1e3:.1f} | {exposed['on'] * 1e3:.1f} | {exposed_ratios[model]:.2f} | "
-                     f"{exposed_floor_ratio(model):.2f} | {exposed['gloo_off'] * 1e3:.1f} | "
-                     f"{exposed['gloo_on'] * 1e3:.1f} |")  # fmt: skip
+                     f"{exposed['link_s'] * 1e3:.1f} | {exposed['off'] * 1e3:.1f} | {exposed['on'] * 1e3:.1f} | "
+                     f"{exposed_ratios[model]:.2f} | {exposed_floor_ratio(model) * exposed['link_s'] * 1e3:.1f} | "
+                     f"{exposed['gloo_off'] * 1e3:.1f} | {exposed['gloo_on'] * 1e3:.1f} |")  # fmt: skip
         print(lines[-1], flush=True)
 
     cfg = RunConfig(model="tiny", world_size=4, steps=steps)
@@ -260,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"- scratch/fsdp2 on {model}, 4 ranks, fp32: {r:.2f} (target <= {target}): {verdict(r, target)}"
             )
     for model, ratio in exposed_ratios.items():
-        lines.append(f"- exposed comm ratio on {model} {ratio:.2f} (target <= {TARGETS['exposed ratio']}; floor "
-                     f"{exposed_floor_ratio(model):.2f}): {verdict(ratio, TARGETS['exposed ratio'])}")  # fmt: skip
+        lines.append(f"- exposed comm ratio on {model} {ratio:.2f} (target <= {TARGETS['exposed ratio']}): "
+                     f"{verdict(ratio, TARGETS['exposed ratio'])}")  # fmt: skip
     lines.append(f"- probe cost {overhead:+.1%} (target < {TARGETS['probe cost']:.0%}): "
                  f"{verdict(1 + overhead, 1 + TARGETS['probe cost'])}")  # fmt: skip
     worst = max(abs(wire[k] / formula[k] - 1) for k in formula)

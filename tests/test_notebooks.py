@@ -44,6 +44,13 @@ def _text(nb: nbformat.NotebookNode) -> str:
     return "\n".join(out)
 
 
+def _built_ops() -> dict[Path, int]:
+    """{DeepSpeed op library: its modification time (ns)} in this environment's torch extensions folder."""
+    from labkit import prebuild
+
+    return {f: f.stat().st_mtime_ns for f in Path(prebuild.extensions_dir()).rglob("*.so")}
+
+
 @pytest.fixture(scope="session")
 def executed(tmp_path_factory, request):
     """{name: executed notebook}, each run lazily with papermill the first time a test asks for it."""
@@ -79,6 +86,7 @@ def executed(tmp_path_factory, request):
 
     request.addfinalizer(report)
     get.out_dir = out_dir
+    get.built_ops = _built_ops()  # before any notebook runs
     return get
 
 
@@ -169,6 +177,8 @@ def test_05_fsdp2_features(executed):
 
 def test_06_deepspeed_knobs_and_scale(executed):
     text = _text(executed("06_deepspeed_surface.ipynb"))
+    # DeepSpeed's ops were built at set-up: its cold starts in the notebooks load them and build nothing.
+    assert executed.built_ops and _built_ops() == executed.built_ops
     assert '"stage": 3' in text
     fair = re.search(r"^fair\s+(\d+)\s+([\d,]+)\s+([\d,]+)", text, re.M)
     assert fair and fair.group(2) == fair.group(3), "fair DeepSpeed all-gather bytes == its formula"
