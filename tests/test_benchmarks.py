@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,3 +22,42 @@ def test_gpu_benchmark_refuses_without_cuda_in_one_sentence(tmp_path):
         "benchmarks/gpu.py: no CUDA device here; run it on a machine with a GPU"
     ]
     assert not (tmp_path / "r.md").exists()
+
+
+def results_figures(markdown: str) -> dict:
+    """The figures of benchmarks/results.md that the README quotes: the run's date, each step-time row
+    {(model, ranks, dtype): (scratch s, fsdp2 s, ratio)}, each exposed-comm ratio, the probes' cost and the
+    course's total seconds."""
+    lines = markdown.splitlines()
+    date = re.match(r"# Benchmarks \((\d{4}-\d\d-\d\d), ", lines[0])
+    assert date, (
+        "benchmarks/results.md does not start with '# Benchmarks (DATE, ...)': regenerate it (make bench)"
+    )
+    steps, exposed = {}, {}
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 8 and cells[1].isdigit() and cells[2] in ("float32", "bfloat16"):
+            steps[(cells[0], int(cells[1]), cells[2])] = (cells[3], cells[4], cells[7])
+        elif len(cells) == 10 and cells[1].isdigit():
+            exposed[cells[0]] = cells[6]
+    probes = re.search(r"median difference of a pair ([+-]\d+\.\d)% of the bare step", markdown)
+    total = re.search(r"^- total (\d+) s", markdown, re.M)
+    assert steps and exposed and probes and total, (
+        "benchmarks/results.md lacks a section: regenerate it (make bench)"
+    )
+    return {"date": date[1], "steps": steps, "exposed": exposed, "probes": probes[1], "course_s": total[1]}
+
+
+def test_readme_performance_quotes_the_benchmark_results():
+    figures = results_figures((ROOT / "benchmarks" / "results.md").read_text())
+    readme = (ROOT / "README.md").read_text()
+    prose = readme.split("## Performance", 1)[1].split("\n## ", 1)[0]
+    section = " ".join(prose.split())  # a figure may be split across lines
+    assert f"measured on {figures['date']}" in section
+    for model in ("tiny", "small"):
+        scratch_s, fsdp2_s, ratio = figures["steps"][(model, 4, "float32")]
+        assert f"`{model}` 4 ranks fp32 {scratch_s} / {fsdp2_s} = {ratio}" in section, model
+    for model, ratio in figures["exposed"].items():
+        assert f"{ratio}x on `{model}`" in section, model
+    assert f"{figures['probes']}% of the bare step" in section
+    assert f"{figures['course_s']} s (target < 600 s)" in section
