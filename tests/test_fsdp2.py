@@ -5,7 +5,6 @@ Checks are grouped into one launch per world size (starting ranks costs seconds 
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import replace
 
@@ -264,12 +263,6 @@ def test_dcp_saved_on_four_ranks_loads_on_two_bit_identical_and_resumes(tmp_path
     assert_close(saved["losses"] + on_two["losses"], reference_losses(RunConfig(steps=4)))
 
 
-slow = pytest.mark.skipif(
-    not os.environ.get("LABKIT_SLOW_TESTS"), reason="compiles for ~45 s; set LABKIT_SLOW_TESTS=1 to run"
-)
-
-
-@slow
 def test_compile_of_the_sharded_model_matches_eager():
     cfg = RunConfig(world_size=2, steps=3)
     facts = labkit.launch(fsdp2_features.compile_sharded, 2, cfg, timeout=TIMEOUT_S)[0]
@@ -283,7 +276,6 @@ def test_compile_of_the_sharded_model_matches_eager():
     assert facts["graph_breaks"] == 0
 
 
-@slow
 def test_compile_explain_finds_one_graph_and_no_graph_break():
     # What notebook 05 and docs/claims.md state for torch 2.13: Dynamo traces one graph (a block's body), no
     # graph break, and no FSDP2 collective inside it (the hooks that gather run eagerly, outside the graph).
