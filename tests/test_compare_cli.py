@@ -56,11 +56,8 @@ def test_compare_of_all_five_engines_writes_the_contract_and_matches_single(tmp_
     # world sizes 2 and 3 are covered in test_fsdp2 and test_deepspeed, without this command's launch costs).
     n, steps, seed = 4, 10, 1
     result, table, err = run_compare(tmp_path, capsys, FIVE_ENGINES, n, steps, seed)
-    from labkit.engines import (
-        deepspeed,
-        fsdp2,
-        scratch,
-    )  # after the run: importing DeepSpeed prints to stdout
+    # Imported after the run: importing DeepSpeed prints to stdout, which the table check reads.
+    from labkit.engines import deepspeed, fsdp2, scratch
 
     assert_contract(result, FIVE_ENGINES, n, steps, seed)
     engines = result["engines"]

@@ -17,7 +17,6 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
-import torch.distributed as dist
 from engine_helpers import assert_close, reference_losses
 
 import labkit
@@ -26,7 +25,7 @@ from labkit.engines import deepspeed as dse
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.engines.ds_config import block_numel, ds_config
-from labkit.model import batch, build_model, count_params
+from labkit.model import build_model, count_params
 from labkit.probes import Probes
 
 TIMEOUT_S = 600  # a cold ~/.cache/torch_extensions builds DeepSpeed's CPU ops first (~3 min)
@@ -69,26 +68,19 @@ def _train_beside_comms_logger(engine, cfg: RunConfig, probes: Probes) -> list[d
     """Train `cfg.steps` steps; per step: the global loss and what each instrument saw in that step.
 
     "logged": the comms logger's calls per message size, per op; "probed": the probe's calls per payload
-    size, per collective kind (bytes).
+    size, per collective kind (bytes). The loss all-reduce of `train_steps` is outside the probe's step and
+    not through deepspeed.comm, so neither instrument counts it.
     """
-    n, rank = dist.get_world_size(), dist.get_rank()
     out = []
     for step in range(cfg.steps):
-        tokens, targets = batch(step, cfg.model, cfg.seed, n, rank)
         before = _logged_sizes()
-        with probes.step(step):
-            loss = engine.forward_loss(tokens, targets)
-            engine.backward(loss)
-            engine.optimizer_step()
+        [loss] = loop.train_steps(engine, replace(cfg, steps=1), first_step=step, probes=probes)
         logged = {op: sizes - before.get(op, Counter()) for op, sizes in _logged_sizes().items()}
         probed: dict[str, Counter] = {}
         for call in probes.comm.calls:
             if call.step == step:
                 probed.setdefault(call.kind, Counter())[call.payload_bytes] += 1
-        # The global loss: outside the step, and not through deepspeed.comm, so neither instrument counts it.
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        out.append({"loss": mean.item() / n, "logged": logged, "probed": probed})
+        out.append({"loss": loss, "logged": logged, "probed": probed})
     return out
 
 
@@ -217,6 +209,17 @@ def test_config_is_fair_by_default_and_refuses_what_it_cannot_do():
         ds_config(RunConfig(), 5)
 
 
+def _under_deepspeed_launcher(script) -> str:
+    """Run `script` on 2 CPU ranks under the `deepspeed` launcher; its stdout (it must exit 0)."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [launcher, "--num_gpus", "2", str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def test_deepspeed_runs_under_the_deepspeed_launcher(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(
@@ -237,13 +240,8 @@ def test_deepspeed_runs_under_the_deepspeed_launcher(tmp_path):
             """
         )
     )
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(
-        [launcher, "--num_gpus", "2", str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if "LOSSES" in x)
+    stdout = _under_deepspeed_launcher(script)
+    line = next(x for x in stdout.splitlines() if "LOSSES" in x)
     losses = [float(v) for v in line.split("LOSSES", 1)[1].strip(" []").split(",")]
     assert_close(losses, reference_losses(RunConfig(steps=3)))
 
@@ -317,13 +315,8 @@ def test_quantized_gradients_under_the_deepspeed_launcher_on_cpu_change_nothing_
             """
         )
     )
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(
-        [launcher, "--num_gpus", "2", str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RECORDS "))
+    stdout = _under_deepspeed_launcher(script)
+    line = next(x for x in stdout.splitlines() if x.startswith("RECORDS "))
     records = json.loads(line.removeprefix("RECORDS "))
     plain, qgz = records["plain"], records["qgz"]
     assert "all_to_all" not in qgz["comm"] and plain["comm"]["reduce_scatter"]["wire_bytes"] > 0
