@@ -1,0 +1,197 @@
+"""Predict, then reveal: the learner commits to a number before the run shows it.
+
+A cell tagged `predict` calls `predict(question, unit)`: a small text box with the unit beside it. The
+cell that measures calls `guess.reveal(measured, formula=..., mistake=...)`, which shows the measurement,
+the prediction and by how much they differ, the formula beside the measurement, and the usual mistake
+when the prediction missed. Under papermill nobody types: the prediction is None and the reveal still
+shows the measurement. A plain number works too: `predict(question, unit, value=1.5e6)`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+from dataclasses import dataclass
+
+# The prediction counts as right within this relative distance of the measurement.
+RIGHT_WITHIN = 0.05
+
+_DECIMAL = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}  # bytes, FLOPs, counts: 1 GB = 1e9 B
+_SUBUNIT = {"": 1.0, "m": 1e-3, "u": 1e-6, "µ": 1e-6}  # seconds: 1 ms = 1e-3 s
+_NUMBER = re.compile(
+    r"^\s*([-+]?(?:\d[\d,_]*\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*([kmgtuµ]?)\s*([a-z%/]*)\s*$", re.I
+)
+
+
+def parse_number(text: str, unit: str = "") -> float | None:
+    """The number a learner typed, in `unit`: '1536', '1,536', '1.5e6', '1.5 GB'; '250 ms' for unit 's'.
+
+    A k/M/G/T prefix is decimal (1 GB = 1e9 B); for seconds m and u are milli and micro. None if empty;
+    anything else is a ValueError that says what would work.
+    """
+    if text is None or not str(text).strip():
+        return None
+    match = _NUMBER.match(str(text))
+    if not match:
+        raise ValueError(f"{text!r} is not a number; type e.g. 1536, 1.5e6 or 1.5 MB")
+    number, prefix, _unit = match.groups()
+    scales = _SUBUNIT if unit == "s" else _DECIMAL
+    if prefix.lower() not in scales:
+        raise ValueError(f"{text!r}: the prefix {prefix!r} does not go with {unit or 'a plain number'}")
+    return float(number.replace(",", "").replace("_", "")) * scales[prefix.lower()]
+
+
+def format_quantity(value: float, unit: str) -> str:
+    """`value` with its unit, readable: bytes in decimal units, seconds as ms below 1 s, else 4 digits."""
+    if unit == "B":
+        if abs(value) < 1e4:
+            return f"{value:,.0f} B"
+        for name, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if abs(value) >= scale:
+                return f"{value / scale:.4g} {name}"
+    if unit == "s" and abs(value) < 1:
+        return f"{value * 1e3:.3g} ms"
+    return f"{value:.4g} {unit}".rstrip()
+
+
+@dataclass(frozen=True)
+class Reveal:
+    """Measured against predicted (and against a formula): what `Prediction.reveal` shows.
+
+    `ratio` is predicted / measured (None without a prediction); `right` is within RIGHT_WITHIN of it.
+    """
+
+    question: str
+    unit: str
+    measured: float
+    predicted: float | None
+    formula: float | None = None
+    formula_text: str = ""
+    mistake: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.predicted is None or self.measured == 0:
+            return None
+        return self.predicted / self.measured
+
+    @property
+    def right(self) -> bool:
+        if self.predicted is None:
+            return False
+        return math.isclose(self.predicted, self.measured, rel_tol=RIGHT_WITHIN, abs_tol=1e-12)
+
+    def lines(self) -> list[str]:
+        q = lambda v: format_quantity(v, self.unit)  # noqa: E731
+        out = [f"{self.question}: measured {q(self.measured)}."]
+        if self.predicted is None:
+            out.append("No prediction entered (type one in the box above, then run this cell again).")
+        elif self.right:
+            out.append(f"You predicted {q(self.predicted)}: right (within {RIGHT_WITHIN:.0%}).")
+        else:
+            out.append(f"You predicted {q(self.predicted)}: {self._miss()}.")
+        if self.formula is not None:
+            label = f"Formula {self.formula_text} = " if self.formula_text else "Formula: "
+            if self.formula == self.measured:
+                agree = "equal to the byte" if self.unit == "B" else "equal"
+            else:
+                agree = f"measured / formula = {self.measured / self.formula:.4g}" if self.formula else ""
+            out.append(f"{label}{q(self.formula)}: {agree}.".replace(": .", "."))
+        if self.mistake and not self.right:
+            out.append(f"The usual mistake: {self.mistake}")
+        return out
+
+    def _miss(self) -> str:
+        ratio = self.ratio
+        if ratio is None or ratio <= 0:
+            return f"off by {format_quantity(self.predicted - self.measured, self.unit)}"
+        if ratio > 1:
+            return f"{ratio:.3g}x the measurement (too high)"
+        return f"1/{1 / ratio:.3g} of the measurement (too low)"
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def _repr_html_(self) -> str:
+        colour = "#2e7d32" if self.right else ("#555" if self.predicted is None else "#c62828")
+        body = "<br>".join(html.escape(line) for line in self.lines())
+        return f'<div style="border-left:4px solid {colour};padding:4px 10px;margin:4px 0">{body}</div>'
+
+
+class Prediction:
+    """A learner's prediction: typed into a small widget, or given as `value`; None until entered."""
+
+    def __init__(self, question: str, unit: str = "", value: float | None = None):
+        self.question = question
+        self.unit = unit
+        self._given = value
+        self._box = None
+
+    @property
+    def value(self) -> float | None:
+        """The predicted number (unit `self.unit`), or None when nothing was entered."""
+        if self._given is not None:
+            return float(self._given)
+        return parse_number(self._box.value, self.unit) if self._box is not None else None
+
+    def widget(self):
+        """The text box with the question above it and the unit beside it (ipywidgets)."""
+        import ipywidgets as W
+
+        if self._box is None:
+            self._box = W.Text(placeholder="your prediction", layout=W.Layout(width="14em"))
+        label = W.HTML(f"<b>Predict.</b> {html.escape(self.question)}")
+        return W.VBox([label, W.HBox([self._box, W.Label(self.unit)])])
+
+    def reveal(self, measured: float, formula: float | None = None, formula_text: str = "",
+               mistake: str = "") -> Reveal:  # fmt: skip
+        """Show the measurement beside the prediction (and the formula), and return what was shown.
+
+        `measured` and `formula` are in the prediction's unit; `mistake` is one line on the usual error,
+        shown when the prediction missed. A typed prediction that is not a number is reported, not raised.
+        """
+        try:
+            predicted = self.value
+        except ValueError as e:
+            print(f"(your prediction was not read: {e})")
+            predicted = None
+        shown = Reveal(self.question, self.unit, float(measured), predicted,
+                       None if formula is None else float(formula), formula_text, mistake)  # fmt: skip
+        _show(shown)
+        return _Shown(shown)
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = self.widget()._repr_mimebundle_(**kwargs) or {}
+        bundle["text/plain"] = f"Predict: {self.question} [{self.unit}]"
+        return bundle
+
+
+class _Shown(Reveal):
+    """A Reveal already displayed by `reveal()`: as a cell's last value it is not displayed again."""
+
+    def __init__(self, shown: Reveal):
+        super().__init__(**{f: getattr(shown, f) for f in Reveal.__dataclass_fields__})
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def predict(question: str, unit: str = "", value: float | None = None) -> Prediction:
+    """Ask the learner to predict a number before it is measured; display the returned Prediction.
+
+    In a cell tagged `predict`, `guess = predict("Bytes one rank sends", "B")` then `guess` shows the box.
+    """
+    return Prediction(question, unit, value)
+
+
+def _show(reveal: Reveal) -> None:
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        display({"text/plain": str(reveal), "text/html": reveal._repr_html_()}, raw=True)
+    else:
+        print(reveal)
