@@ -69,6 +69,7 @@ class Reveal:
     formula: float | None = None
     formula_text: str = ""
     mistake: str = ""
+    source: str = "measured"  # or "computed" (by labkit.budget), said before the number
 
     @property
     def ratio(self) -> float | None:
@@ -84,7 +85,7 @@ class Reveal:
 
     def lines(self) -> list[str]:
         q = lambda v: format_quantity(v, self.unit)  # noqa: E731
-        out = [f"{self.question}: measured {q(self.measured)}."]
+        out = [f"{self.question}: {self.source} {q(self.measured)}."]
         if self.predicted is None:
             out.append("No prediction entered (type one in the box above, then run this cell again).")
         elif self.right:
@@ -145,11 +146,12 @@ class Prediction:
         return W.VBox([label, W.HBox([self._box, W.Label(self.unit)])])
 
     def reveal(self, measured: float, formula: float | None = None, formula_text: str = "",
-               mistake: str = "") -> Reveal:  # fmt: skip
+               mistake: str = "", source: str = "measured") -> Reveal:  # fmt: skip
         """Show the measurement beside the prediction (and the formula), and return what was shown.
 
         `measured` and `formula` are in the prediction's unit; `mistake` is one line on the usual error,
-        shown when the prediction missed. A typed prediction that is not a number is reported, not raised.
+        shown when the prediction missed; `source` says where `measured` comes from ("computed" for a
+        figure of labkit.budget). A typed prediction that is not a number is reported, not raised.
         """
         try:
             predicted = self.value
@@ -157,7 +159,7 @@ class Prediction:
             print(f"(your prediction was not read: {e})")
             predicted = None
         shown = Reveal(self.question, self.unit, float(measured), predicted,
-                       None if formula is None else float(formula), formula_text, mistake)  # fmt: skip
+                       None if formula is None else float(formula), formula_text, mistake, source)  # fmt: skip
         _show(shown)
         return _Shown(shown)
 
