@@ -252,3 +252,43 @@ def traffic_bars(comms: Mapping[str, Mapping], *, expected: Mapping[str, float] 
     if title:
         ax.set_title(title)
     return fig
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+
+
+def holdings_figure(before, after, chunk: int, *, titles: Sequence[str] = ("before", "after"),
+                    title: str | None = None) -> Figure:  # fmt: skip
+    """What each rank holds before and after one collective, drawn from the run's tensors.
+
+    `before[r]` and `after[r]` are `(offset, values)`: rank r holds `values` at elements offset, offset+1,
+    ... of the full tensor. A cell is coloured by its chunk (element // `chunk`; chunk j is rank j's shard)
+    and shows its value; an outlined empty cell is an element that rank does not hold.
+    """
+    ranks = len(before)
+    size = max(offset + len(values) for offset, values in [*before, *after])
+    fig = Figure(figsize=(min(14.0, 1.5 + 0.5 * size) * 1.6, 0.6 + 0.5 * ranks), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, rows, label in zip(axes, (before, after), titles, strict=True):
+        for r, (offset, values) in enumerate(rows):
+            for x in range(size):
+                ax.add_patch(_cell(x, r, "none", edge="#BBBBBB"))
+            for i, value in enumerate(values):
+                x = offset + i
+                ax.add_patch(_cell(x, r, _SEGMENT_COLORS[2 * ((x // chunk) % 10) + 1]))
+                ax.text(x + 0.5, r, f"{value:g}", ha="center", va="center", fontsize=8)
+        ax.set_xlim(0, size)
+        ax.set_ylim(ranks - 0.5, -0.5)
+        ax.set_xticks([j * chunk + chunk / 2 for j in range(size // chunk)],
+                      [f"chunk {j}" for j in range(size // chunk)], fontsize=8)  # fmt: skip
+        ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+        ax.set_title(label, fontsize=10, loc="left")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def _cell(x: float, row: int, colour, edge: str = "white"):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x, row - 0.4), 1.0, 0.8, facecolor=colour, edgecolor=edge, linewidth=0.8)
