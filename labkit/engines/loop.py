@@ -8,8 +8,9 @@ called on each rank inside an initialised default process group, with the lab's 
 (`build_model(cfg.model, cfg.seed)`) and `RankInfo` (rank, world size, device, backend). `build` may wrap,
 shard or move `model`, but must keep training the same `model.blocks[i]` objects (the loop hooks their
 forward for the timeline). The returned object follows `labkit.engines.base.Engine`. Engines are imported
-lazily by name (`ENGINES`), so `deepspeed` is imported only for the deepspeed engine. `single` runs on one
-rank with the global batch; every other engine on `cfg.world_size` ranks, each with its slice.
+lazily by name (`ENGINES`), so `deepspeed` is imported only for the deepspeed engine. An object with that
+`build` method may stand in for a name (`EngineBuilder`: the build-along's `labkit.build.Learner`). `single`
+runs on one rank with the global batch; every other engine on `cfg.world_size` ranks, each with its slice.
 
 Rank side (`train_rank`): install the probes -> build the engine -> barrier and zero the clocks -> per step:
 batch, forward / backward / optimizer spans, local loss, step time, comm of the step; then one more step
@@ -30,7 +31,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,12 @@ from labkit.probes import Probes, state_bytes
 SINGLE_RANK_ENGINES = ("single",)  # run on one rank with the global batch
 TIMELINE_STEPS = 2  # the last steps whose events `run` keeps
 DEFAULT_TIMEOUT_S = 300.0
+
+
+class EngineBuilder(Protocol):
+    """An engine given as an object instead of a name: it builds the engine on each rank, as a module would."""
+
+    def build(self, cfg: RunConfig, model: torch.nn.Module, rank_info: RankInfo) -> Engine: ...
 
 
 class EngineUnavailable(ValueError):
@@ -67,6 +74,12 @@ def ranks_for(engine: str, cfg: RunConfig) -> int:
 def validate(engines: Sequence[str], cfg: RunConfig) -> None:
     """Raise ValueError, one sentence naming the argument, for anything the run could not do."""
     for name in engines:
+        if not isinstance(name, str):
+            if not callable(getattr(name, "build", None)):
+                raise ValueError(
+                    f"engine {name!r}: pass an engine name or an object with build(cfg, model, info)"
+                )
+            continue
         if name not in ENGINES:
             raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
         if importlib.util.find_spec(engine_module_name(name)) is None:
@@ -111,7 +124,7 @@ def rank_info() -> RankInfo:
     return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
-def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
+def train_rank(engine: str | EngineBuilder, cfg: RunConfig) -> dict[str, Any]:
     """Build `engine` on this rank, train `cfg.steps` timed steps under the probes, return what was measured.
 
     Peak memory is measured in one more step after the timed ones (step `cfg.steps`, its own batch): the
@@ -136,7 +149,7 @@ def train_rank(engine: str, cfg: RunConfig) -> dict[str, Any]:
         return tokens.to(info.device), targets.to(info.device)
 
     with probes:
-        module = importlib.import_module(engine_module_name(engine))
+        module = importlib.import_module(engine_module_name(engine)) if isinstance(engine, str) else engine
         model = build_model(cfg.model, cfg.seed)
         eng = module.build(cfg, model, info)
         probes.timeline.watch_blocks(model)  # after build: the engine's own block hooks run first
@@ -221,7 +234,7 @@ def train_steps(
 # ---------------------------------------------------------------------------------------------- parent
 
 
-def run(engine: str, cfg: RunConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+def run(engine: str | EngineBuilder, cfg: RunConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
     """Train `engine` under `cfg` and return its record of the `labkit compare` contract.
 
     losses: the global mean loss per step (mean of the ranks' local means: the slices are equal);
