@@ -1,0 +1,12 @@
+"""Build ZeRO-3 yourself: the scaffold a learner's pieces plug into, and the live checks of each step.
+
+    scaffold.py   Unit, Pieces, attach (the four moments as real hooks), Learner (an engine for the loop)
+    checks.py     one check per build step, on real ranks, against the single-process oracle
+    reference.py  the filled pieces: notebook 02's `build` cells, verbatim
+
+labkit.zero (the lab's own ZeRO-3) never imports this package.
+"""
+
+from labkit.build.scaffold import Learner, Pieces, Unit, attach
+
+__all__ = ["Learner", "Pieces", "Unit", "attach"]
