@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
@@ -29,6 +30,7 @@ from labkit.engines.base import RunConfig
 from labkit.engines.loop import available_engines, rank_info, run, timed_step
 from labkit.model import batch, build_model, count_params
 from labkit.probes import Probes, exposed_comm_s
+from labkit.tables import median_step_s, wire_bytes
 
 TARGETS = {"scratch/fsdp2 small": 1.0, "scratch/fsdp2 tiny": 1.1, "exposed ratio": 0.25, "probe cost": 0.05,
            "course s": 600.0}  # fmt: skip
@@ -39,10 +41,6 @@ BUDGET_STRATEGY = {"ddp": "ddp", "scratch": "zero3", "fsdp2": "zero3", "deepspee
 def verdict(value: float, target: float) -> str:
     """'met' when `value` <= `target`, else by how much it missed (lower is better for every target)."""
     return "met" if value <= target else f"missed by {value / target - 1:.0%}"
-
-
-def median_step_s(record: dict) -> float:
-    return statistics.median(record["step_time_s"][1:])
 
 
 def step_times(engines: list[str], cfg: RunConfig, reps: int) -> dict[str, float]:
@@ -62,15 +60,13 @@ def exposed_comm(cfg: RunConfig, reps: int, comm_to_compute: float = 0.5) -> dic
     same cores as the compute, which an interconnect's DMA would not).
     """
     base = run("scratch", cfg)
-    wire = sum(v["wire_bytes"] for v in base["comm"].values())
+    wire = wire_bytes(base)
     link = wire / (comm_to_compute * median_step_s(base)) / 1e9
     out: dict[str, list[float]] = {"off": [], "on": [], "gloo_off": [], "gloo_on": []}
     for _ in range(reps):
         for label, link_gbytes, prefetch in (("off", link, False), ("on", link, True),
                                              ("gloo_off", None, False), ("gloo_on", None, True)):  # fmt: skip
-            rec = run(
-                "scratch", RunConfig(**{**cfg.to_dict(), "link_gbytes": link_gbytes, "prefetch": prefetch})
-            )
+            rec = run("scratch", replace(cfg, link_gbytes=link_gbytes, prefetch=prefetch))
             steps = sorted({e["step"] for e in rec["timeline"]} - {0})  # step 0 learns the prefetch order
             out[label].append(statistics.fmean(
                 exposed_comm_s([e for e in rec["timeline"] if e["step"] == k], 0) for k in steps))  # fmt: skip

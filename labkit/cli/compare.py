@@ -1,7 +1,8 @@
 """`labkit compare`: train several engines on the same model, seed and batches; print a table, write JSON.
 
 The work is `labkit.engines.loop.compare`; this file parses flags, checks them (errors name the flag),
-prints one progress line per engine on stderr as it finishes, and the table on stdout.
+prints one progress line per engine on stderr as it finishes, and the table on stdout
+(`labkit.tables.compare_table`).
 
 Under torchrun or the DeepSpeed launcher (`labkit.cluster.under_launcher`) every rank runs this command:
 the ranks already exist, so `--world-size` defaults to the launcher's WORLD_SIZE (and must equal it), the
@@ -13,8 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
+from collections.abc import Callable
 
 from labkit.cli import UsageError
 from labkit.engines.base import ENGINES
@@ -30,26 +31,23 @@ def _engine_list(text: str) -> list[str]:
     return names
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass one of 1 or more") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; pass 1 or more")
-    return value
+def _positive(convert: Callable[[str], float], what: str, hint: str) -> Callable[[str], float]:
+    """An argparse type: `convert(text)` above 0, or an error that says `what` it must be and `hint`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; pass {hint}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not allowed; pass {hint}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number; pass a value above 0, e.g. 1.0"
-        ) from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not allowed; pass a value above 0, e.g. 1.0")
-    return value
+_positive_int = _positive(int, "a whole number", "1 or more")
+_positive_float = _positive(float, "a number", "a value above 0, e.g. 1.0")
 
 
 def register(subparsers) -> None:
@@ -131,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from labkit.engines import loop
     from labkit.engines.base import RunConfig
     from labkit.model import CONFIGS
+    from labkit.tables import compare_table
 
     launched = launcher_world_size()
     if launched is not None and args.world_size not in (None, launched):
@@ -197,80 +196,8 @@ def run(args: argparse.Namespace) -> int:
     result = loop.compare(args.engines, cfg, timeout_s=args.timeout, on_result=progress)
     if not speaks:
         return 0
-    print(format_table(result))
+    print(compare_table(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
-
-
-def format_table(result: dict) -> str:
-    """The human table of a `compare` result: one row per engine."""
-    from labkit.budget import format_bytes
-
-    cfg = result["config"]
-    reference = result["engines"].get("single", {}).get("losses")
-    header = ("engine", "final loss", "max|d single|", "step ms", "state/rank", "all-gather", "reduce-scatter",
-              "all-reduce", "peak mem")  # fmt: skip
-    rows = [header]
-    for name, rec in result["engines"].items():
-        comm = rec["comm"]
-        wire = [
-            format_bytes(comm.get(k, {}).get("wire_bytes", 0))
-            for k in ("all_gather", "reduce_scatter", "all_reduce")
-        ]
-        diff = (
-            f"{max(abs(a - b) for a, b in zip(rec['losses'], reference, strict=True)):.2e}"
-            if reference
-            else "-"
-        )
-        rows.append((
-            name,
-            f"{rec['losses'][-1]:.6f}",
-            diff,
-            f"{statistics.median(rec['step_time_s']) * 1e3:.1f}",
-            format_bytes(sum(rec["state_bytes"].values())),
-            *wire,
-            format_bytes(max(rec["peak_mem_bytes"])),
-        ))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [
-        f"model {cfg['model']} ({cfg['n_params']:,} params), world size {cfg['world_size']}, {cfg['steps']} steps, "
-        f"{cfg['dtype']}; wire bytes per rank in the last step (rank 0), peak mem = the largest rank's"
-    ]
-    lines += [
-        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        for r in rows
-    ]
-    lines += _link_table(result)
-    return "\n".join(lines)
-
-
-def _link_table(result: dict) -> list[str]:
-    """Runs across nodes: each engine's intra/inter-node bytes per collective, all ranks summed."""
-    from labkit.budget import format_bytes
-
-    records = {
-        n: r for n, r in result["engines"].items() if max(r.get("nodes") or [0]) > 0 and r["comm_by_link"]
-    }
-    if not records:
-        return []
-    kinds = ("all_gather", "reduce_scatter", "all_reduce")
-    rows = [("engine", "nodes", *(f"{k.replace('_', '-')} intra/inter" for k in kinds))]
-    for name, rec in records.items():
-        links = rec["comm_by_link"]
-        rows.append((
-            name,
-            str(max(rec["nodes"]) + 1),
-            *(
-                f"{format_bytes(links.get(k, {}).get('intra_node_bytes', 0))} / "
-                f"{format_bytes(links.get(k, {}).get('inter_node_bytes', 0))}"
-                for k in kinds
-            ),
-        ))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    head = "bytes on intra-node / inter-node links in the last step, all ranks summed (ring rule: docs/cluster.md)"
-    return [head] + [
-        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        for r in rows
-    ]

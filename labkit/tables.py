@@ -1,0 +1,236 @@
+"""Fixed-width text tables, and the summaries of a run's record that they print.
+
+One formatter (`fixed_width`) lays out every table the notebooks and `labkit compare` print; one
+`median_step_s` is what "step time" means wherever a record is summed up. A record is the per-engine dict
+of the `labkit compare` contract (`labkit.engines.loop.run`); a plan is what `labkit.budget.plan` returns.
+Pure Python: no torch, so the CLI can print without importing it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from labkit import budget
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")  # the columns of the engine tables
+
+# ------------------------------------------------------------------------------------------ the formatter
+
+
+def fixed_width(rows: Sequence[Sequence[str]], rule: bool = False) -> str:
+    """Rows of text cells (the first row is the header) as aligned lines, columns two spaces apart.
+
+    Each column is as wide as its widest cell; the first is left-aligned, the others right-aligned
+    (numbers). `rule` draws a line of dashes under the header.
+    """
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in rows
+    ]
+    if rule:
+        lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ one record
+
+
+def median_step_s(record: dict[str, Any]) -> float:
+    """The record's typical step time (seconds; each step's time is its slowest rank's).
+
+    The median over the steps after step 0 when there are more than one: step 0 includes warm-up (first
+    allocations, lazy initialisation, DeepSpeed tracing its fetch order, compilation), which is not the
+    steady state the later steps measure. A one-step record's median is that step.
+    """
+    times = record["step_time_s"]
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
+def phase_s(record: dict[str, Any], name: str, rank: int = 0) -> float:
+    """Mean seconds of one loop phase ("forward", "backward", "optimizer") on `rank` over the kept steps."""
+    spans = [
+        e["end_s"] - e["start_s"]
+        for e in record["timeline"]
+        if e["kind"] == "compute" and e["name"] == name and e["rank"] == rank
+    ]
+    return statistics.fmean(spans) if spans else 0.0
+
+
+def wire_bytes(record: dict[str, Any], kind: str | None = None) -> int:
+    """Wire bytes one rank sent in the record's last step: of collective `kind`, or of all (bytes)."""
+    comm = record["comm"]
+    if kind is not None:
+        return comm.get(kind, {}).get("wire_bytes", 0)
+    return sum(v["wire_bytes"] for v in comm.values())
+
+
+# ------------------------------------------------------------------------------------------ records
+
+
+def records_table(records: dict[str, dict[str, Any]], reference: str = "single") -> str:
+    """One row per record: last loss, largest relative loss difference to `reference`, wire bytes per
+    collective, state bytes and peak memory per rank, median step time."""
+    ref = records.get(reference, {}).get("losses")
+    rows = [("engine", "last loss", "max rel diff", "all-gather B", "reduce-scat B", "all-reduce B",
+             "state B/rank", "peak B/rank", "step ms")]  # fmt: skip
+    for name, rec in records.items():
+        diff = max(abs(a - b) / abs(b) for a, b in zip(rec["losses"], ref, strict=True)) if ref else 0.0
+        rows.append((
+            name,
+            f"{rec['losses'][-1]:.6f}",
+            f"{diff:.1e}",
+            *(f"{wire_bytes(rec, kind):,}" for kind in COLLECTIVES),
+            f"{sum(rec['state_bytes'].values()):,}",
+            f"{max(rec['peak_mem_bytes']):,}",
+            f"{median_step_s(rec) * 1e3:.0f}",
+        ))  # fmt: skip
+    return fixed_width(rows, rule=True)
+
+
+def compare_table(result: dict[str, Any]) -> str:
+    """The table `labkit compare` prints: a title line, one row per engine, and, for runs across nodes,
+    each engine's intra/inter-node bytes per collective."""
+    cfg = result["config"]
+    reference = result["engines"].get("single", {}).get("losses")
+    rows = [("engine", "final loss", "max|d single|", "step ms", "state/rank", "all-gather", "reduce-scatter",
+             "all-reduce", "peak mem")]  # fmt: skip
+    for name, rec in result["engines"].items():
+        diff = (
+            f"{max(abs(a - b) for a, b in zip(rec['losses'], reference, strict=True)):.2e}"
+            if reference
+            else "-"
+        )
+        rows.append((
+            name,
+            f"{rec['losses'][-1]:.6f}",
+            diff,
+            f"{median_step_s(rec) * 1e3:.1f}",
+            budget.format_bytes(sum(rec["state_bytes"].values())),
+            *(budget.format_bytes(wire_bytes(rec, kind)) for kind in COLLECTIVES),
+            budget.format_bytes(max(rec["peak_mem_bytes"])),
+        ))  # fmt: skip
+    title = (
+        f"model {cfg['model']} ({cfg['n_params']:,} params), world size {cfg['world_size']}, {cfg['steps']} steps, "
+        f"{cfg['dtype']}; wire bytes per rank in the last step (rank 0), peak mem = the largest rank's"
+    )
+    return "\n".join([title, fixed_width(rows), *_link_table(result)])
+
+
+def _link_table(result: dict[str, Any]) -> list[str]:
+    """Runs across nodes: each engine's intra/inter-node bytes per collective, all ranks summed."""
+    records = {
+        n: r for n, r in result["engines"].items() if max(r.get("nodes") or [0]) > 0 and r["comm_by_link"]
+    }
+    if not records:
+        return []
+    rows = [("engine", "nodes", *(f"{k.replace('_', '-')} intra/inter" for k in COLLECTIVES))]
+    for name, rec in records.items():
+        links = rec["comm_by_link"]
+        rows.append((
+            name,
+            str(max(rec["nodes"]) + 1),
+            *(
+                f"{budget.format_bytes(links.get(k, {}).get('intra_node_bytes', 0))} / "
+                f"{budget.format_bytes(links.get(k, {}).get('inter_node_bytes', 0))}"
+                for k in COLLECTIVES
+            ),
+        ))  # fmt: skip
+    head = "bytes on intra-node / inter-node links in the last step, all ranks summed (ring rule: docs/cluster.md)"
+    return [head, fixed_width(rows)]
+
+
+def offload_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per record: state bytes the engine keeps as device tensors, the optimizer phase and step (seconds).
+
+    `device_state_bytes` sums the engine's "params", "grads" and "optimizer" tensors, which is what stays on
+    the accelerator; an engine that offloads keeps its host buffers out of those keys (the scratch engine
+    lists them as "host_optimizer"), so the difference between a run and its offloaded twin is what moved.
+    """
+    return [
+        {
+            "run": name,
+            "device_state_bytes": sum(rec["state_bytes"].values()),
+            "optimizer_state_bytes": rec["state_bytes"].get("optimizer", 0),
+            "peak_mem_bytes": max(rec["peak_mem_bytes"]),
+            "optimizer_phase_s": phase_s(rec, "optimizer"),
+            "step_s": median_step_s(rec),
+        }
+        for name, rec in records.items()
+    ]
+
+
+def offload_table(records: dict[str, dict[str, Any]]) -> str:
+    """`offload_rows` as a table: bytes with thousands separators, the optimizer phase and step in ms."""
+    rows = [("run", "engine state B", "optimizer B", "peak B", "optimizer ms", "step ms")]
+    for row in offload_rows(records):
+        rows.append((
+            row["run"],
+            f"{row['device_state_bytes']:,}",
+            f"{row['optimizer_state_bytes']:,}",
+            f"{row['peak_mem_bytes']:,}",
+            f"{row['optimizer_phase_s'] * 1e3:.1f}",
+            f"{row['step_s'] * 1e3:.0f}",
+        ))  # fmt: skip
+    return fixed_width(rows)
+
+
+# ------------------------------------------------------------------------------------------ plans
+
+
+def scale_rows(scenarios: dict[str, dict[str, Any]]) -> str:
+    """A table of plans, one row per scenario: GPU, host and NVMe bytes per rank, offload and step time (s)."""
+    rows = [("scenario", "GPU/rank", "host/rank", "NVMe/rank", "offload s", "step s")]
+    for name, p in scenarios.items():
+        rows.append((
+            name,
+            budget.format_bytes(p["gpu_bytes_per_rank"]),
+            budget.format_bytes(sum(p["host_bytes_per_rank"].values())),
+            budget.format_bytes(sum(p["nvme_bytes_per_rank"].values())),
+            f"{p['offload_time_s']:.2f}",
+            f"{p['step_time_s']:.2f}",
+        ))  # fmt: skip
+    return fixed_width(rows, rule=True)
+
+
+def strategy_rows(plans: dict[str, dict[str, Any]]) -> str:
+    """A table of plans: state per rank, copies of the weights, traffic by link, comm and exposed time (s)."""
+    rows = [("scenario", "state/rank", "copies", "intra-node B", "inter-node B", "comm s", "exposed s")]
+    for name, p in plans.items():
+        links = p["traffic_bytes_by_link"]
+        rows.append((
+            name,
+            budget.format_bytes(p["state_bytes_per_rank"]),
+            str(p["copies_in_cluster"]["weights"]),
+            budget.format_bytes(links.get("intra_node", 0)),
+            budget.format_bytes(links.get("inter_node", 0)),
+            f"{p['comm_time_s']:.2f}",
+            f"{p['exposed_comm_s']:.2f}",
+        ))  # fmt: skip
+    return fixed_width(rows, rule=True)
+
+
+def needs_offload(params: float, max_ranks: int, gpu_bytes: float, **plan_options: Any) -> dict[str, Any]:
+    """The first reversal condition: does ZeRO-3 fit at the largest world size you can have?
+
+    Returns the state per rank at `max_ranks` (bytes), whether it exceeds `gpu_bytes`, and the smallest
+    offload (optimizer to cpu, then params too, then NVMe) under which it fits, or None.
+    """
+    full = budget.plan(params, max_ranks, "zero3", **plan_options)
+    fits = full["gpu_bytes_per_rank"] <= gpu_bytes
+    remedy = None
+    if not fits:
+        for opt, par in (("cpu", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme")):
+            p = budget.plan(
+                params, max_ranks, "zero3", offload_optimizer=opt, offload_params=par, **plan_options
+            )
+            if p["gpu_bytes_per_rank"] <= gpu_bytes:
+                remedy = {
+                    "offload_optimizer": opt,
+                    "offload_params": par,
+                    "gpu_bytes_per_rank": p["gpu_bytes_per_rank"],
+                }
+                break
+    return {"gpu_bytes_per_rank": full["gpu_bytes_per_rank"], "fits_without_offload": fits, "offload": remedy}
