@@ -13,7 +13,6 @@ import torch
 from engine_helpers import assert_close, reference_losses
 
 import labkit
-from labkit import course
 from labkit.budget import padded_numel
 from labkit.engines import fsdp2, fsdp2_features, loop
 from labkit.engines.base import RunConfig
@@ -211,6 +210,10 @@ def test_hsdp_tp_ignored_params_and_comm_debug_mode_on_four_ranks():
     assert hsdp["shard_group_ranks"] == [0, 1] and hsdp["replicate_group_ranks"] == [0, 2]
     assert hsdp["local_shape"][0] * 2 == hsdp["full_shape"][0]
     assert_close(hsdp["losses"], reference)
+    # The probe's bytes by group size are the engine's HSDP plan: gathers and reduce-scatters inside a shard
+    # group of 2, the gradient shards all-reduced across the 2 replicas.
+    plan = fsdp2.predicted_wire_bytes(build_model(cfg.model), replace(cfg, options={"hsdp_shard_size": 2}), 4)
+    assert hsdp["comm"] == {f"{kind} over 2 ranks": wire for kind, wire in plan.items()}
 
     tp = facts["tp"]
     assert tp["mesh_dim_names"] == ("dp", "tp")
@@ -280,7 +283,10 @@ def test_compile_explain_finds_one_graph_and_no_graph_break():
     # What notebook 05 and docs/claims.md state for torch 2.13: Dynamo traces one graph (a block's body), no
     # graph break, and no FSDP2 collective inside it (the hooks that gather run eagerly, outside the graph).
     cfg = RunConfig(world_size=2, steps=3)
-    facts = labkit.launch(course.compile_explain, 2, cfg, timeout=TIMEOUT_S)[0]
+    facts = labkit.launch(
+        fsdp2_features.compile_sharded, 2, cfg, backend="aot_eager", explain=True, timeout=TIMEOUT_S
+    )[0]
+    assert facts["backend"] == "aot_eager" and facts["first_step_s"] > 0 and facts["later_step_s"] > 0
     assert (facts["graph_count"], facts["graph_break_count"], facts["break_reasons"]) == (1, 0, [])
     assert facts["collectives_in_forward_graphs"] == []
     assert_close(facts["losses"], reference_losses(cfg))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,8 +73,7 @@ def test_both_layouts_cover_every_element_once_and_pad_as_the_budget_says(n):
 def _train_variants(cfg: RunConfig) -> list[list[float]]:
     out = []
     for prefetch, offload, raf in VARIANTS:
-        run_cfg = RunConfig(**{**cfg.to_dict(), "prefetch": prefetch, "offload": offload,
-                               "reshard_after_forward": raf})  # fmt: skip
+        run_cfg = replace(cfg, prefetch=prefetch, offload=offload, reshard_after_forward=raf)
         engine = scratch.build(run_cfg, build_model(cfg.model, cfg.seed), rank_info())
         out.append(train_steps(engine, run_cfg))
     return out

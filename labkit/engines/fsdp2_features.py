@@ -1,9 +1,11 @@
 """FSDP2 features beyond the plain engine, each a rank-side function that trains briefly and returns facts.
 
 Run any of them with `labkit.launch(fn, world_size, cfg, ...)`; rank 0's dict is what a notebook shows:
-HSDP on a 2-D mesh, tensor parallelism + FSDP on one 2x2 mesh, a distributed checkpoint saved on one world
-size and loaded on another, `ignored_params`, `torch.compile` of the sharded model, and torch's own
-`CommDebugMode` counts (to set beside labkit's probe). Losses are global means, to compare with `single`.
+HSDP on a 2-D mesh (its collectives counted by labkit's probe per group size), tensor parallelism + FSDP on
+one 2x2 mesh, a distributed checkpoint saved on one world size and loaded on another, `ignored_params`,
+`torch.compile` of the sharded model (and what Dynamo traced), and torch's own `CommDebugMode` counts (to
+set beside labkit's probe). Losses are global means, to compare with `single`. `shard_mesh` and
+`build_engine` are the 1-D mesh and the engine on fresh weights that these and `fsdp2_inspect` share.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,29 +38,45 @@ from labkit.engines import fsdp2
 from labkit.engines.base import RunConfig, adamw
 from labkit.engines.loop import rank_info, train_steps
 from labkit.model import batch, build_model
+from labkit.probes import Probes
 
 
-def _engine(cfg: RunConfig) -> fsdp2.Fsdp2Engine:
-    return fsdp2.build(cfg, build_model(cfg.model, cfg.seed), rank_info())
-
-
-def hsdp(cfg: RunConfig, replicas: int = 2) -> dict[str, Any]:
-    """HSDP: a (replicate, shard) mesh; each parameter `(Replicate(), Shard(0))`.
-
-    In torch 2.13 `fully_shard` reads a 2-D mesh as dim 0 = replicate, dim 1 = shard: parameters are
-    sharded across the ranks of a row (all-gathers and reduce-scatters stay in the row) and replicated
-    down a column (the gradient shards are all-reduced across rows).
-    """
-    n = dist.get_world_size()
+def shard_mesh() -> DeviceMesh:
+    """The 1-D mesh of every rank, named "shard", on this rank's device type (what `fsdp2.build` shards over)."""
     info = rank_info()
-    mesh = init_device_mesh(
-        info.device.type, (replicas, n // replicas), mesh_dim_names=("replicate", "shard")
-    )
+    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
+
+
+def build_engine(cfg: RunConfig, mesh: DeviceMesh | None = None) -> fsdp2.Fsdp2Engine:
+    """The fsdp2 engine on fresh weights: `fsdp2.shard_model` over `mesh` (default `shard_mesh()`), asserted."""
+    mesh = mesh or shard_mesh()
     model = build_model(cfg.model, cfg.seed)
     fsdp2.shard_model(model, cfg, mesh)
     fsdp2.assert_sharded(model, mesh)
-    engine = fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), info.device)
-    weight = model.blocks[0].qkv.weight
+    return fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), rank_info().device)
+
+
+def hsdp(cfg: RunConfig, replicas: int = 2) -> dict[str, Any]:
+    """HSDP: a (replicate, shard) mesh; each parameter `(Replicate(), Shard(0))`; trained under the probe.
+
+    In torch 2.13 `fully_shard` reads a 2-D mesh as dim 0 = replicate, dim 1 = shard: parameters are
+    sharded across the ranks of a row (all-gathers and reduce-scatters stay in the row) and replicated
+    down a column (the gradient shards are all-reduced across rows). `comm` is {"KIND over G ranks": wire
+    bytes} of the last step, by group size (the loss all-reduce after each step is not counted).
+    """
+    info = rank_info()
+    mesh = init_device_mesh(
+        info.device.type, (replicas, info.world_size // replicas), mesh_dim_names=("replicate", "shard")
+    )
+    engine = build_engine(cfg, mesh)
+    with Probes(info.rank, info.device) as probes:
+        losses = train_steps(engine, cfg, probes=probes)
+    comm: dict[str, int] = {}
+    for c in probes.comm.calls:
+        if c.step == cfg.steps - 1:
+            key = f"{c.kind} over {c.group_size} ranks"
+            comm[key] = comm.get(key, 0) + c.wire_bytes
+    weight = engine.model.blocks[0].qkv.weight
     return {
         "mesh_dim_names": mesh.mesh_dim_names,
         "mesh": mesh.mesh.tolist(),
@@ -66,7 +85,8 @@ def hsdp(cfg: RunConfig, replicas: int = 2) -> dict[str, Any]:
         "replicate_group_ranks": dist.get_process_group_ranks(mesh.get_group("replicate")),
         "local_shape": tuple(weight.to_local().shape),
         "full_shape": tuple(weight.shape),
-        "losses": train_steps(engine, cfg),
+        "comm": comm,
+        "losses": losses,
     }
 
 
@@ -120,7 +140,7 @@ def dcp_save(cfg: RunConfig, path: str, continue_steps: int = 0) -> dict[str, An
     Returns the losses, the full state at save time (rank 0) and the losses of `continue_steps` steps
     trained on without interruption, for a resumed run to reproduce.
     """
-    engine = _engine(cfg)
+    engine = build_engine(cfg)
     losses = train_steps(engine, cfg)
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     if dist.get_rank() == 0 and os.path.exists(path):
@@ -128,7 +148,7 @@ def dcp_save(cfg: RunConfig, path: str, continue_steps: int = 0) -> dict[str, An
     dist.barrier()
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
     state = full_state(engine)
-    more = RunConfig(**{**cfg.to_dict(), "steps": continue_steps})
+    more = replace(cfg, steps=continue_steps)
     return {
         "losses": losses,
         "state": state,
@@ -142,7 +162,7 @@ def dcp_load(cfg: RunConfig, path: str, first_step: int, steps: int) -> dict[str
 
     Returns the full state right after loading (rank 0) and the losses of `steps` steps from `first_step`.
     """
-    engine = _engine(cfg)
+    engine = build_engine(cfg)
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -150,10 +170,9 @@ def dcp_load(cfg: RunConfig, path: str, first_step: int, steps: int) -> dict[str
         engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
     loaded = full_state(engine)
-    more = RunConfig(**{**cfg.to_dict(), "steps": steps})
     return {
         "state": loaded,
-        "losses": train_steps(engine, more, first_step=first_step),
+        "losses": train_steps(engine, replace(cfg, steps=steps), first_step=first_step),
     }
 
 
@@ -167,7 +186,7 @@ def ignored_params(
     matches `single`).
     """
     info = rank_info()
-    mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
+    mesh = shard_mesh()
     model = build_model(cfg.model, cfg.seed)
     params = dict(model.named_parameters())
     ignored = {params[name] for name in names}
@@ -197,30 +216,56 @@ def _average_grad(p: torch.Tensor) -> None:
     p.grad.div_(dist.get_world_size())
 
 
-def compile_sharded(cfg: RunConfig) -> dict[str, Any]:
-    """`torch.compile` the sharded model; time the first (compiling) step and the later ones (seconds).
+def compile_sharded(cfg: RunConfig, backend: str = "inductor", explain: bool = False) -> dict[str, Any]:
+    """`torch.compile(model, backend=backend)` the sharded model; the first (compiling) step and the mean of
+    the later ones timed (seconds).
 
     Returns `skipped` with a reason instead when inductor cannot build kernels here (no C++ compiler).
     `graph_breaks` is Dynamo's own count of graph breaks in this process (measured: 0 with torch 2.13, whose
-    Dynamo traces through FSDP2's hooks), `graphs` the number of distinct graphs it compiled.
+    Dynamo traces through FSDP2's hooks), `graphs` the number of distinct graphs it compiled. `explain`
+    adds what `torch._dynamo.explain` reports of one forward before compiling (see `_explain`).
     """
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if backend == "inductor" and shutil.which(os.environ.get("CXX", "c++")) is None:
         return {"skipped": "torch.compile's inductor backend needs a C++ compiler (c++ or $CXX) on PATH"}
-    engine = _engine(cfg)
-    engine.model = torch.compile(engine.model)
+    engine = build_engine(cfg)
+    facts: dict[str, Any] = {"backend": backend, **(_explain(engine, cfg) if explain else {})}
+    engine.model = torch.compile(engine.model, backend=backend)
     start_s = time.perf_counter()
-    first = train_steps(engine, RunConfig(**{**cfg.to_dict(), "steps": 1}))
-    compile_step_s = time.perf_counter() - start_s
+    losses = train_steps(engine, replace(cfg, steps=1))
+    first_step_s = time.perf_counter() - start_s
     start_s = time.perf_counter()
-    rest = train_steps(engine, RunConfig(**{**cfg.to_dict(), "steps": cfg.steps - 1}), first_step=1)
+    losses += train_steps(engine, replace(cfg, steps=cfg.steps - 1), first_step=1)
     later_step_s = (time.perf_counter() - start_s) / max(1, cfg.steps - 1)
     counters = torch._dynamo.utils.counters
-    return {
-        "losses": first + rest,
-        "first_step_s": compile_step_s,
+    return facts | {
+        "losses": losses,
+        "first_step_s": first_step_s,
         "later_step_s": later_step_s,
         "graph_breaks": sum(counters["graph_break"].values()),
         "graphs": counters["stats"]["unique_graphs"],
+    }
+
+
+def _explain(engine: fsdp2.Fsdp2Engine, cfg: RunConfig) -> dict[str, Any]:
+    """What Dynamo traces of one forward of the sharded model (`torch._dynamo.explain`), then reset.
+
+    `collectives_in_forward_graphs` names the FSDP2 collective and copy ops Dynamo put into its graphs
+    (empty: the hooks ran eagerly, outside the graphs).
+    """
+    info = rank_info()
+    tokens, _ = batch(0, cfg.model, cfg.seed, info.world_size, info.rank)
+    explained = torch._dynamo.explain(engine.model)(tokens.to(info.device))
+    ops = {getattr(op, "__name__", str(op)) for graph_ops in explained.ops_per_graph for op in graph_ops}
+    targets = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
+    torch._dynamo.reset()  # the compiled run traces afresh
+    return {
+        "graph_count": explained.graph_count,
+        "graph_break_count": explained.graph_break_count,
+        "break_reasons": [str(b.reason).splitlines()[0] for b in explained.break_reasons],
+        "ops_traced": sorted(ops),
+        "collectives_in_forward_graphs": sorted(
+            t for t in targets if any(k in t for k in ("all_gather", "reduce_scatter", "fsdp"))
+        ),
     }
 
 
@@ -233,8 +278,8 @@ def comm_debug_counts(
     probe, which counts the same calls by their `torch.distributed` function. `beside()` is a context
     entered around the same step (and nothing else), e.g. `lambda: probes.step(1)` to tag the probe's calls.
     """
-    engine = _engine(cfg)
-    train_steps(engine, RunConfig(**{**cfg.to_dict(), "steps": 1}))
+    engine = build_engine(cfg)
+    train_steps(engine, replace(cfg, steps=1))
     tokens, targets = batch(1, cfg.model, cfg.seed, dist.get_world_size(), dist.get_rank())
     mode = CommDebugMode()
     with beside(), mode:
