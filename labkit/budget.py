@@ -1,13 +1,20 @@
 """Closed-form arithmetic of data parallelism: state bytes per rank, bytes per collective per step, step time.
 
-`plan(params, world_size, strategy)` is the one entry point; the helpers below it (`collective_wire_bytes`,
-`padded_numel`, ...) are the same arithmetic applied to one tensor, so the probes can predict what they
-measure. Pure Python: no torch, no numpy. Bytes are bytes (1 GB = 1e9 B), times are seconds.
+`plan(params, world_size, strategy, **options)` is the one entry point: it checks its inputs into a
+`PlanInputs` (the one place of their units, defaults and checks; the CLI flags and the calculator's controls
+are made from it), then composes the stages `memory_terms`, `traffic_terms` (typed `Term`s from the
+`STEP_COLLECTIVES` table) and `step_time`. The helpers at the top (`collective_wire_bytes`, `padded_numel`,
+...) are the same arithmetic applied to one tensor, so the probes can predict what they measure.
+Pure Python: no torch, no numpy. Bytes are bytes (1 GB = 1e9 B), times are seconds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from functools import cached_property
+from typing import NamedTuple
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
@@ -113,6 +120,7 @@ def padded_flat_numel(numel: int, world_size: int) -> int:
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 MEMORY_TERMS = ("weights", "grads", "master", "adam_m", "adam_v")
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
+ACCOUNTINGS = ("paper", "deepspeed")
 TRAFFIC_KEYS = (
     "all_gather_forward",
     "all_gather_backward",
@@ -145,29 +153,391 @@ _SHARDED_TERMS = {
 _OPTIMIZER_TERMS = ("master", "adam_m", "adam_v")
 _HOST_GRAD_BYTES = 4  # the CPU optimizer works on an fp32 copy of the gradient shard
 _SCALE_BYTES = 4  # one fp32 scale per quantization block (ZeRO++ qwZ / qgZ)
-_QUANT_BYTES = {"qwz": 1.0, "qgz": 0.5}  # int8 weights, int4 gradients
+# ZeRO++ switch -> (bytes per element on the wire, what the term's name adds): int8 weights, int4 gradients
+_QUANTISED = {"qwz": (1.0, " (qwZ int8)"), "qgz": (0.5, " (qgZ int4)")}
 
 
-def _positive_int(name: str, value, example: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 1:
-        raise ValueError(f"{name} must be a positive whole number (for example {example}); got {value!r}.")
+# ---- the inputs --------------------------------------------------------------------------------------------
+
+
+class InputSpec(NamedTuple):
+    """How one input of `plan()` is checked, and what the CLI and the calculator say about it.
+
+    kind: "count" (a whole number, at least `low`; a `rounded` one takes a float such as 1.5e9 / 7),
+    "number" (more than 0, at most `upper`), "choice" (one of `choices`) or "switch" (on or off). A count
+    whose default is None may be None. `example` is what an error message suggests.
+    """
+
+    kind: str
+    unit: str
+    help: str
+    example: str = ""
+    choices: tuple[str, ...] = ()
+    upper: float | None = None
+    low: int = 1
+    rounded: bool = False
+
+
+_REQUIRED = MISSING
+
+
+def _count(default, unit: str, help: str, example: str = "", **spec):
+    example = example or f"{default}"
+    return field(default=default, metadata={"spec": InputSpec("count", unit, help, example, **spec)})
+
+
+def _number(default: float, unit: str, help: str, **spec):
+    return field(default=default, metadata={"spec": InputSpec("number", unit, help, f"{default:g}", **spec)})
+
+
+def _choice(default: str, choices: tuple[str, ...], help: str):
+    return field(default=default, metadata={"spec": InputSpec("choice", "", help, choices=choices)})
+
+
+def _switch(default: bool, help: str):
+    return field(default=default, metadata={"spec": InputSpec("switch", "", help)})
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything `plan()` takes: the one place its inputs, units, defaults and checks are written.
+
+    Building one checks every field and stores it normalised (`params=30e9` becomes the int 30000000000);
+    an impossible input or combination raises ValueError with one sentence naming the argument. The CLI's
+    flags and the calculator's controls are made from these fields (`INPUTS`).
+    """
+
+    params: int = _count(_REQUIRED, "parameters", "size of the model", "30e9", rounded=True)
+    world_size: int = _count(_REQUIRED, "ranks", "data-parallel ranks", "256")
+    strategy: str = _choice(
+        "zero3",
+        STRATEGIES,
+        "ddp: all replicated; zero1: optimizer state sharded; zero2: + gradients; zero3: + weights; "
+        "hsdp: zero3 inside groups of group_size ranks, replicated across the groups",
+    )
+    group_size: int | None = _count(None, "ranks", "hsdp shard group; default one node (gpus_per_node)", "8")
+    gpus_per_node: int = _count(8, "ranks", "ranks per node: a collective inside one is on intra-node links")
+    precision: str = _choice("bf16_mixed", tuple(PRECISIONS), "bytes per parameter of each state term")
+    offload_optimizer: str = _choice(
+        "none",
+        OFFLOAD_TARGETS,
+        "where master and Adam m, v live (zero2/zero3/hsdp: and the gradient shard, as fp32 on the host)",
+    )
+    offload_params: str = _choice("none", OFFLOAD_TARGETS, "where the weight shard lives (zero3/hsdp only)")
+    reshard_after_forward: bool = _switch(
+        True, "free gathered weights after forward, all-gather again in backward"
+    )
+    prefetch: bool = _switch(True, "all-gather one layer ahead, so comm overlaps compute")
+    qwz: bool = _switch(False, "ZeRO++ (zero3): int8 forward all-gather")
+    hpz: bool = _switch(False, "ZeRO++ (zero3): backward all-gather inside the node, from a secondary copy")
+    qgz: bool = _switch(False, "ZeRO++ (zero3): int4 gradient reduce-scatter")
+    quant_block_elems: int | None = _count(
+        None, "elements", "block of one fp32 scale in ZeRO++'s quantized collectives; default: none", "2048"
+    )
+    largest_layer_params: int = _count(
+        0, "parameters", "largest layer, for the gathered-buffer memory", "50e6", low=0
+    )
+    layers: int = _count(32, "layers", "layers of the prefetch overlap model")
+    tokens_per_rank: float = _number(16384, "tokens", "tokens one rank trains on per step")
+    peak_tflops: float = _number(989.0, "TFLOP/s", "peak compute per rank")
+    mfu: float = _number(0.4, "fraction", "model FLOP utilisation, 0 < mfu <= 1", upper=1.0)
+    link_gbytes: float = _number(50.0, "GB/s", "inter-node bandwidth per rank (NIC)")
+    intra_gbytes: float = _number(450.0, "GB/s", "intra-node bandwidth per rank (NVLink)")
+    host_gbytes: float = _number(25.0, "GB/s", "GPU <-> host bandwidth (PCIe)")
+    nvme_gbytes: float = _number(5.0, "GB/s", "host <-> NVMe bandwidth")
+    accounting: str = _choice(
+        "paper",
+        ACCOUNTINGS,
+        "paper: the state terms of docs/budget.md; deepspeed: DeepSpeed's estimator (zero2/zero3, offload none or cpu)",
+    )
+    zero_init: bool = _switch(True, "accounting=deepspeed: weights built sharded (deepspeed.zero.Init)")
+    additional_buffer_factor: float = _number(
+        1.5, "", "accounting=deepspeed: the estimator's host-memory factor"
+    )
+
+    def __post_init__(self) -> None:
+        values = self.__dict__  # frozen: the checked values are stored past __setattr__, as __init__ does
+        for name, check, spec, default, checked_default in _CHECKS:
+            value = values[name]
+            if value is default:  # checked once, at import (None: not given)
+                values[name] = checked_default
+            else:
+                values[name] = check(name, value, spec)
+        self._check_combination()
+
+    @cached_property
+    def shard_group(self) -> int:
+        """Ranks each sharded term is split over: the hsdp group (default one node), else every rank."""
+        if self.strategy != "hsdp":
+            return self.world_size
+        return self.group_size if self.group_size is not None else min(self.gpus_per_node, self.world_size)
+
+    def _check_combination(self) -> None:
+        n, gpn, strategy = self.world_size, self.gpus_per_node, self.strategy
+        if self.largest_layer_params > self.params:
+            raise ValueError(
+                f"largest_layer_params must be between 0 and params={self.params}; got {self.largest_layer_params!r}."
+            )
+        if self.group_size is not None and n % self.group_size:
+            divisors = [d for d in (gpn, 8, 4, 2, 1) if n % d == 0 and d <= n]
+            raise ValueError(
+                f"group_size={self.group_size} does not divide world_size={n}; pass a divisor such as {divisors[0]}."
+            )
+        if n % self.shard_group:
+            raise ValueError(
+                f"hsdp needs a group_size that divides world_size={n}; the default {self.shard_group} does not, pass one."
+            )
+        zeropp = [name for name in ("qwz", "hpz", "qgz") if getattr(self, name)]
+        if zeropp and strategy != "zero3":
+            raise ValueError(
+                f"{', '.join(zeropp)} (ZeRO++) apply to strategy zero3; got strategy={strategy!r}."
+            )
+        if self.offload_params != "none" and strategy not in ("zero3", "hsdp"):
+            raise ValueError(
+                f"offload_params needs sharded weights (strategy zero3 or hsdp); got strategy={strategy!r}."
+            )
+        if self.offload_optimizer != "none" and strategy == "ddp":
+            raise ValueError(
+                "offload_optimizer needs a ZeRO strategy (zero1, zero2, zero3 or hsdp); got strategy='ddp'."
+            )
+        if self.accounting == "deepspeed":
+            self._check_deepspeed_accounting()
+
+    def _check_deepspeed_accounting(self) -> None:
+        if self.strategy not in ("zero2", "zero3"):
+            raise ValueError(
+                f"accounting='deepspeed' follows DeepSpeed's ZeRO-2/3 estimators; use strategy zero2 or zero3, not {self.strategy!r}."
+            )
+        per_node, nodes = _deepspeed_nodes(self.world_size, self.gpus_per_node)
+        if per_node * nodes != self.world_size:
+            raise ValueError(
+                f"accounting='deepspeed' needs whole nodes: world_size={self.world_size} is not a multiple of gpus_per_node={self.gpus_per_node}."
+            )
+        if "nvme" in (self.offload_optimizer, self.offload_params):
+            raise ValueError(
+                "accounting='deepspeed' covers offload to cpu only (DeepSpeed's estimator has no NVMe case); pass 'cpu' or 'none'."
+            )
+
+
+def _check_count(name: str, value, spec: InputSpec) -> int:
+    if spec.rounded and isinstance(value, float) and 1 <= value < math.inf:
+        value = round(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not spec.low <= value < math.inf:
+        what = "a positive whole number" if spec.low else "a whole number, 0 or more"
+        raise ValueError(f"{name} must be {what} (for example {spec.example}); got {value!r}.")
     if int(value) != value:
-        raise ValueError(f"{name} must be a whole number (for example {example}); got {value!r}.")
+        raise ValueError(f"{name} must be a whole number (for example {spec.example}); got {value!r}.")
     return int(value)
 
 
-def _positive_float(name: str, value, example: str, upper: float | None = None) -> float:
+def _check_number(name: str, value, spec: InputSpec) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value <= 0:
-        raise ValueError(f"{name} must be a positive number (for example {example}); got {value!r}.")
-    if upper is not None and value > upper:
-        raise ValueError(f"{name} must be at most {upper:g} (for example {example}); got {value!r}.")
+        raise ValueError(f"{name} must be a positive number (for example {spec.example}); got {value!r}.")
+    if spec.upper is not None and value > spec.upper:
+        raise ValueError(
+            f"{name} must be at most {spec.upper:g} (for example {spec.example}); got {value!r}."
+        )
     return float(value)
 
 
-def _choice(name: str, value, options: Sequence[str]) -> str:
-    if value not in options:
-        raise ValueError(f"{name} {value!r} is not known; use one of {', '.join(options)}.")
+def _check_choice(name: str, value, spec: InputSpec) -> str:
+    if value not in spec.choices:
+        raise ValueError(f"{name} {value!r} is not known; use one of {', '.join(spec.choices)}.")
     return value
+
+
+def _check_switch(name: str, value, spec: InputSpec) -> bool:
+    return bool(value)
+
+
+_CHECK_OF_KIND = {
+    "count": _check_count,
+    "number": _check_number,
+    "choice": _check_choice,
+    "switch": _check_switch,
+}
+
+
+class Input(NamedTuple):
+    """One field of `PlanInputs`, for the faces that are made from it (CLI flags, calculator controls)."""
+
+    name: str
+    default: object  # None where `required`
+    required: bool
+    spec: InputSpec
+
+
+INPUTS = tuple(
+    Input(f.name, None if f.default is MISSING else f.default, f.default is MISSING, f.metadata["spec"])
+    for f in fields(PlanInputs)
+)
+DEFAULTS = {i.name: i.default for i in INPUTS if not i.required}
+
+
+def _field_checks() -> tuple:
+    """(name, check, spec, default, the default checked) per field: a default is checked once, here."""
+    out = []
+    for f in fields(PlanInputs):
+        spec = f.metadata["spec"]
+        check = _CHECK_OF_KIND[spec.kind]
+        unchecked = f.default is MISSING or f.default is None
+        out.append(
+            (f.name, check, spec, f.default, f.default if unchecked else check(f.name, f.default, spec))
+        )
+    return tuple(out)
+
+
+_CHECKS = _field_checks()
+
+
+# ---- memory ------------------------------------------------------------------------------------------------
+
+
+class Memory(NamedTuple):
+    """One rank's training state: how each of the five terms is split, and where its bytes live."""
+
+    shard: dict[str, int]  # ranks each term is split over
+    elems: dict[str, int]  # elements of each term on one rank (flat padding included)
+    resident: dict[str, int]  # bytes of each term at its training precision, wherever it lives
+    gpu: dict[str, int]
+    host: dict[str, int]
+    nvme: dict[str, int]
+
+
+def memory_terms(p: PlanInputs) -> Memory:
+    """Each state term is replicated or split over the shard group (flat padding to a multiple of it).
+
+    The optimizer offload moves master, m, v (and a sharded gradient, held as fp32 on the host); the params
+    offload moves the weight shard.
+    """
+    bytes_of = PRECISIONS[p.precision]
+    shard = {t: (p.shard_group if t in _SHARDED_TERMS[p.strategy] else 1) for t in MEMORY_TERMS}
+    elems = {t: padded_flat_numel(p.params, shard[t]) // shard[t] for t in MEMORY_TERMS}
+    resident = {t: int(elems[t] * bytes_of[t]) for t in MEMORY_TERMS}
+    gpu = dict(resident)
+    host = dict.fromkeys(MEMORY_TERMS, 0)
+    nvme = dict.fromkeys(MEMORY_TERMS, 0)
+    moved = []
+    if p.offload_optimizer != "none":
+        moved += [(t, p.offload_optimizer) for t in _OPTIMIZER_TERMS]
+        if shard["grads"] > 1:
+            moved.append(("grads", "cpu"))
+    if p.offload_params != "none":
+        moved.append(("weights", p.offload_params))
+    for t, target in moved:
+        gpu[t] = 0
+        size = elems[t] * _HOST_GRAD_BYTES if t == "grads" else resident[t]
+        (host if target == "cpu" else nvme)[t] = size
+    return Memory(shard, elems, resident, gpu, host, nvme)
+
+
+def transient_bytes(p: PlanInputs, mem: Memory) -> dict[str, int]:
+    """GPU buffers beyond the state (zero3/hsdp): gathered layers, weights kept for backward, hpZ's copy."""
+    w_b, g_b = PRECISIONS[p.precision]["weights"], PRECISIONS[p.precision]["grads"]
+    transient = dict.fromkeys(
+        ("gathered_weights", "unsharded_layer_grads", "weights_kept_for_backward", "hpz_secondary_weights"), 0
+    )
+    if p.strategy in ("zero3", "hsdp"):
+        largest = p.largest_layer_params
+        transient["gathered_weights"] = int((2 if p.prefetch else 1) * largest * w_b)
+        transient["unsharded_layer_grads"] = int(largest * g_b)
+        if not p.reshard_after_forward:
+            transient["weights_kept_for_backward"] = int(p.params * w_b) - mem.resident["weights"]
+        if p.hpz:
+            h = min(p.gpus_per_node, p.world_size)
+            transient["hpz_secondary_weights"] = int(padded_flat_numel(p.params, h) // h * w_b)
+    return transient
+
+
+def _memory_summary(p: PlanInputs, mem: Memory) -> dict:
+    bytes_per_param = sum(PRECISIONS[p.precision].values())
+    static_bytes_total = int(p.params * bytes_per_param)
+    state_bytes_per_rank = sum(mem.gpu.values())
+    transient = transient_bytes(p, mem)
+    n = p.world_size
+    return {
+        "bytes_per_param": bytes_per_param,
+        "accounting": p.accounting,
+        "static_bytes_total": static_bytes_total,
+        "state_bytes_per_rank": state_bytes_per_rank,
+        "state_fraction_per_rank": state_bytes_per_rank / static_bytes_total,
+        "memory_bytes_per_rank": mem.gpu,
+        "shard_ways": mem.shard,
+        "copies_in_cluster": {t: n // mem.shard[t] for t in MEMORY_TERMS},
+        "state_bytes_all_ranks": state_bytes_per_rank * n,
+        "host_bytes_per_rank": mem.host,
+        "nvme_bytes_per_rank": mem.nvme,
+        "host_bytes_total": sum(mem.host.values()) * n,
+        "nvme_bytes_total": sum(mem.nvme.values()) * n,
+        "transient_bytes_per_rank": transient,
+        "gpu_bytes_per_rank": state_bytes_per_rank + sum(transient.values()),
+    }
+
+
+# ---- traffic -----------------------------------------------------------------------------------------------
+
+
+class Collective(NamedTuple):
+    """One collective of a strategy's step, as the table below names it."""
+
+    key: str  # its entry in TRAFFIC_KEYS
+    name: str
+    kind: str  # its entry in COLLECTIVES
+    phase: str  # "forward", "backward" or "step"
+    moves: str  # "weights" or "grads": whose bytes per element it moves
+    over: str  # "group" (the shard group; every rank unless hsdp), "node" (hpZ) or "replicas" (hsdp)
+    quantised_by: str = ""  # the ZeRO++ switch that quantises it
+
+
+# fmt: off
+_GATHER_FORWARD = Collective("all_gather_forward", "forward all-gather of weights", "all_gather", "forward",
+                             "weights", "group", quantised_by="qwz")
+_GATHER_BACKWARD = Collective("all_gather_backward", "backward all-gather of weights", "all_gather", "backward",
+                              "weights", "group")
+_GATHER_BACKWARD_HPZ = Collective("all_gather_backward", "backward all-gather from the node's secondary copy (hpZ)",
+                                  "all_gather", "backward", "weights", "node")
+_REDUCE_SCATTER = Collective("reduce_scatter", "gradient reduce-scatter", "reduce_scatter", "backward",
+                             "grads", "group", quantised_by="qgz")
+_GATHER_AFTER_STEP = Collective("all_gather_after_step", "all-gather of updated weights", "all_gather", "step",
+                                "weights", "group")
+_ALL_REDUCE = Collective("all_reduce", "gradient all-reduce", "all_reduce", "backward", "grads", "group")
+_REPLICA_ALL_REDUCE = Collective("all_reduce", "all-reduce of gradient shards across {replicas} groups",
+                                 "all_reduce", "backward", "grads", "replicas")
+# fmt: on
+
+# strategy -> the collectives one rank takes part in each step, in the order they run. The options change
+# them in `traffic_terms`: reshard_after_forward=False drops the backward all-gather, hpZ swaps it for
+# _GATHER_BACKWARD_HPZ, qwZ / qgZ quantise the collectives marked `quantised_by`.
+STEP_COLLECTIVES: dict[str, tuple[Collective, ...]] = {
+    "ddp": (_ALL_REDUCE,),
+    "zero1": (_REDUCE_SCATTER, _GATHER_AFTER_STEP),
+    "zero2": (_REDUCE_SCATTER, _GATHER_AFTER_STEP),
+    "zero3": (_GATHER_FORWARD, _GATHER_BACKWARD, _REDUCE_SCATTER),
+    "hsdp": (_GATHER_FORWARD, _GATHER_BACKWARD, _REDUCE_SCATTER, _REPLICA_ALL_REDUCE),
+}
+
+
+class Term(NamedTuple):
+    """One collective of the step with its bytes and time; `plan()` returns each as a dict (`_asdict`)."""
+
+    name: str
+    key: str
+    collective: str
+    phase: str
+    group_size: int
+    link: str  # "intra_node" or "inter_node"
+    payload_bytes: int  # the full tensor (see collective_wire_bytes)
+    wire_bytes: int  # what one rank sends
+    ring_bytes_all_ranks: dict[str, int]  # wire bytes of every rank by link, by the ring rule
+    time_s: float  # wire_bytes at the link's bandwidth
+
+
+def quantised_payload_bytes(numel: int, bytes_per_elem: float, block_elems: int | None) -> float:
+    """Bytes of `numel` elements quantised to `bytes_per_elem`, plus one fp32 scale per `block_elems` if given."""
+    payload = numel * bytes_per_elem
+    if block_elems:
+        payload += -(-numel // block_elems) * _SCALE_BYTES
+    return payload
 
 
 def _link(span: int, gpus_per_node: int) -> str:
@@ -175,18 +545,93 @@ def _link(span: int, gpus_per_node: int) -> str:
     return "intra_node" if span <= gpus_per_node else "inter_node"
 
 
-def _term(name, key, kind, phase, payload_bytes, group, link, strided=False) -> dict:
+def _span(p: PlanInputs, over: str) -> tuple[int, str, bool]:
+    """(ranks, link, strided) of the groups a collective runs `over`; groups start on a node boundary."""
+    n, gpn, g = p.world_size, p.gpus_per_node, p.shard_group
+    if over == "node":
+        return min(gpn, n), "intra_node", False
+    if over == "replicas":  # HSDP's replicate groups: one rank from each shard group
+        return n // g, _link(n, gpn), True
+    return g, "intra_node" if (g <= gpn and gpn % g == 0) or n <= gpn else "inter_node", False
+
+
+def traffic_terms(p: PlanInputs) -> list[Term]:
+    """The step's collectives (STEP_COLLECTIVES) with the options applied, each priced in bytes and seconds.
+
+    reshard_after_forward=False drops the backward all-gather; hpZ moves it inside the node; qwZ / qgZ
+    quantise the forward all-gather / the reduce-scatter.
+    """
+    bandwidth = {"inter_node": p.link_gbytes * 1e9, "intra_node": p.intra_gbytes * 1e9}
+    elem_bytes = PRECISIONS[p.precision]
+    g = p.shard_group
+    terms = []
+    for c in STEP_COLLECTIVES[p.strategy]:
+        if c.key == "all_gather_backward":
+            if not p.reshard_after_forward:
+                continue
+            if p.hpz:
+                c = _GATHER_BACKWARD_HPZ
+        size, link, strided = _span(p, c.over)
+        # a replica all-reduce moves one rank's gradient shard; the others the whole padded flat tensor
+        numel = (
+            padded_flat_numel(p.params, g) // g if c.over == "replicas" else padded_flat_numel(p.params, size)
+        )
+        name = c.name.format(replicas=size) if c.over == "replicas" else c.name
+        if c.quantised_by and getattr(p, c.quantised_by):
+            bytes_per_elem, suffix = _QUANTISED[c.quantised_by]
+            payload = int(quantised_payload_bytes(numel, bytes_per_elem, p.quant_block_elems))
+            name += suffix
+        else:
+            payload = int(numel * elem_bytes[c.moves])
+        wire = collective_wire_bytes(c.kind, payload, size)
+        ring = _ring_bytes_all_ranks(c.kind, payload, p.world_size, size, p.gpus_per_node, strided)
+        terms.append(
+            Term(name, c.key, c.kind, c.phase, size, link, payload, wire, ring, wire / bandwidth[link])
+        )
+    return terms
+
+
+def _traffic_summary(terms: list[Term]) -> dict:
+    by_collective = dict.fromkeys(TRAFFIC_KEYS, 0)
+    by_link = dict.fromkeys(LINKS, 0)
+    ring_by_link = dict.fromkeys(LINKS, 0)
+    for t in terms:
+        for link in LINKS:
+            ring_by_link[link] += t.ring_bytes_all_ranks[link]
+        by_collective[t.key] += t.wire_bytes
+        by_link[t.link] += t.wire_bytes
     return {
-        "name": name,
-        "key": key,
-        "collective": kind,
-        "phase": phase,
-        "group_size": group,
-        "link": link,
-        "payload_bytes": int(payload_bytes),
-        "wire_bytes": collective_wire_bytes(kind, int(payload_bytes), group),
-        "strided_groups": strided,  # HSDP's replicate groups: one rank from each shard group
+        "traffic_bytes_per_rank": sum(by_collective.values()),
+        # the n -> infinity value: no (n-1)/n factors
+        "traffic_bytes_per_rank_large_n": sum(
+            t.payload_bytes * (2 if t.collective == "all_reduce" else 1) for t in terms if t.group_size > 1
+        ),
+        "traffic_bytes_by_collective": by_collective,
+        "traffic_bytes_by_link": by_link,
+        "ring_bytes_all_ranks_by_link": ring_by_link,
+        "traffic_terms": [t._asdict() for t in terms],
     }
+
+
+# ---- offload and time --------------------------------------------------------------------------------------
+
+
+def offload_io_bytes(p: PlanInputs, mem: Memory) -> tuple[int, int]:
+    """(PCIe, NVMe) bytes one rank moves per step for its offloaded state."""
+    w_b, g_b = PRECISIONS[p.precision]["weights"], PRECISIONS[p.precision]["grads"]
+    host_io = nvme_io = 0
+    if p.offload_optimizer != "none":
+        sh = mem.elems["master"]
+        grad_shard = mem.elems["grads"] if mem.shard["grads"] > 1 else sh
+        host_io += grad_shard * g_b + sh * w_b  # gradient shard down, updated weight shard back up
+        if p.offload_optimizer == "nvme":
+            nvme_io += 2 * sum(mem.resident[t] for t in _OPTIMIZER_TERMS)  # read and write back master, m, v
+    if p.offload_params != "none":
+        # the shard goes up for the forward and the backward all-gather
+        host_io += 2 * mem.resident["weights"]
+        if p.offload_params == "nvme":
+            nvme_io += 3 * mem.resident["weights"]  # two reads, one write of the updated shard
+    return host_io, nvme_io
 
 
 def _overlap_exposed_s(comm_s: float, compute_s: float, layers: int) -> float:
@@ -200,6 +645,97 @@ def _overlap_exposed_s(comm_s: float, compute_s: float, layers: int) -> float:
         return 0.0
     c, k = comm_s / layers, compute_s / layers
     return c + (layers - 1) * max(0.0, c - k)
+
+
+def step_time(p: PlanInputs, terms: list[Term], offload_time_s: float) -> dict[str, float]:
+    """Compute time, serial and exposed comm (with and without prefetch) and the step, in seconds.
+
+    Compute is 6 N tokens / (peak x MFU), a third forward and two thirds backward; each phase's collectives
+    overlap its compute by `_overlap_exposed_s`; the after-step all-gather and the offload do not overlap.
+    """
+    flops = 6.0 * p.params * p.tokens_per_rank
+    compute_time_s = flops / (p.peak_tflops * 1e12 * p.mfu)
+    fwd_k, bwd_k = compute_time_s / 3, 2 * compute_time_s / 3
+    by_phase = {"forward": 0.0, "backward_gather": 0.0, "backward_reduce": 0.0, "step": 0.0}
+    time_by_link = dict.fromkeys(LINKS, 0.0)
+    for t in terms:
+        phase = t.phase
+        if phase == "backward":
+            phase = "backward_gather" if t.collective == "all_gather" else "backward_reduce"
+        by_phase[phase] += t.time_s
+        time_by_link[t.link] += t.time_s
+    comm_time_s = sum(time_by_link.values())
+    exposed_prefetch = (
+        _overlap_exposed_s(by_phase["forward"], fwd_k, p.layers)
+        + _overlap_exposed_s(by_phase["backward_gather"] + by_phase["backward_reduce"], bwd_k, p.layers)
+        + by_phase["step"]
+    )
+    exposed_no_prefetch = (
+        by_phase["forward"]
+        + by_phase["backward_gather"]
+        + _overlap_exposed_s(by_phase["backward_reduce"], bwd_k, p.layers)
+        + by_phase["step"]
+    )
+    exposed = exposed_prefetch if p.prefetch else exposed_no_prefetch
+    return {
+        "flops_per_rank": flops,
+        "compute_time_s": compute_time_s,
+        "comm_time_s": comm_time_s,
+        "comm_time_by_link_s": time_by_link,
+        "comm_to_compute": comm_time_s / compute_time_s,
+        "exposed_comm_s": exposed,
+        "exposed_comm_prefetch_s": exposed_prefetch,
+        "exposed_comm_no_prefetch_s": exposed_no_prefetch,
+        "offload_time_s": offload_time_s,
+        "step_time_s": compute_time_s + exposed + offload_time_s,
+    }
+
+
+# ---- the plan ----------------------------------------------------------------------------------------------
+
+# the inputs a result echoes under "options", in this order
+_ECHOED = (
+    "reshard_after_forward", "prefetch", "qwz", "hpz", "qgz", "quant_block_elems", "offload_optimizer",
+    "offload_params", "largest_layer_params", "layers", "tokens_per_rank", "peak_tflops", "mfu",
+    "link_gbytes", "intra_gbytes", "host_gbytes", "nvme_gbytes",
+)  # fmt: skip
+
+
+def plan(params: float, world_size: int, strategy: str = DEFAULTS["strategy"], **options) -> dict:
+    """Memory, traffic and time of one training step per rank, for `params` parameters on `world_size` ranks.
+
+    Units: bytes (1 GB = 1e9 B), seconds, GB/s for bandwidths, TFLOP/s for `peak_tflops`. `options` are
+    the other fields of `PlanInputs` (their meaning, units and defaults are there); docs/budget.md states
+    every formula. With accounting="deepspeed" the state is DeepSpeed's estimate; the other keys are the same.
+    Raises ValueError with one sentence naming the argument when an input is impossible.
+    """
+    p = PlanInputs(params, world_size, strategy, **options)
+    mem = memory_terms(p)
+    terms = traffic_terms(p)
+    host_io, nvme_io = offload_io_bytes(p, mem)
+    times = step_time(p, terms, host_io / (p.host_gbytes * 1e9) + nvme_io / (p.nvme_gbytes * 1e9))
+    result = {
+        "params": p.params,
+        "world_size": p.world_size,
+        "strategy": p.strategy,
+        "group_size": p.shard_group,
+        "replica_groups": p.world_size // p.shard_group,
+        "gpus_per_node": p.gpus_per_node,
+        "nodes": -(-p.world_size // p.gpus_per_node),
+        "precision": p.precision,
+        **_memory_summary(p, mem),
+        **_traffic_summary(terms),
+        "host_io_bytes_per_rank": host_io,
+        "nvme_io_bytes_per_rank": nvme_io,
+        **times,
+        "options": {name: getattr(p, name) for name in _ECHOED},
+    }
+    if p.accounting == "deepspeed":
+        result.update(_deepspeed_accounting(p, result["state_bytes_per_rank"]))
+    return result
+
+
+# ---- DeepSpeed's accounting --------------------------------------------------------------------------------
 
 
 def deepspeed_zero_estimate(
@@ -256,438 +792,26 @@ def deepspeed_zero_estimate(
     }
 
 
-def plan(
-    params: float,
-    world_size: int,
-    strategy: str = "zero3",
-    *,
-    group_size: int | None = None,
-    gpus_per_node: int = 8,
-    precision: str = "bf16_mixed",
-    offload_optimizer: str = "none",
-    offload_params: str = "none",
-    reshard_after_forward: bool = True,
-    prefetch: bool = True,
-    qwz: bool = False,
-    hpz: bool = False,
-    qgz: bool = False,
-    quant_block_elems: int | None = None,
-    largest_layer_params: int = 0,
-    layers: int = 32,
-    tokens_per_rank: float = 16384,
-    peak_tflops: float = 989.0,
-    mfu: float = 0.4,
-    link_gbytes: float = 50.0,
-    intra_gbytes: float = 450.0,
-    host_gbytes: float = 25.0,
-    nvme_gbytes: float = 5.0,
-    accounting: str = "paper",
-    zero_init: bool = True,
-    additional_buffer_factor: float = 1.5,
-) -> dict:
-    """Memory, traffic and time of one training step per rank, for `params` parameters on `world_size` ranks.
-
-    Units: bytes (1 GB = 1e9 B), seconds, GB/s for bandwidths, TFLOP/s for `peak_tflops`.
-
-    strategy: `ddp` (everything replicated), `zero1` (optimizer state sharded), `zero2` (+ gradients),
-      `zero3` (+ weights), `hsdp` (zero3 inside shard groups of `group_size` ranks, replicated across the
-      world_size / group_size groups; default group: one node, `gpus_per_node`).
-    precision: a key of `PRECISIONS` (bytes per parameter of each state term); collectives move weights
-      and gradients at their training precision.
-    offload_optimizer / offload_params: "none", "cpu" or "nvme". The optimizer offload moves master, Adam m
-      and v off the GPU, and the gradient shard too for zero2/zero3/hsdp (it streams to the host as it is
-      reduced); the host keeps that shard as fp32. The params offload (zero3/hsdp only) moves the weight shard.
-    reshard_after_forward=False keeps gathered weights from forward to backward (no backward all-gather).
-    prefetch: one-layer-ahead all-gathers (the overlap model is `_overlap_exposed_s`); the result carries the
-      exposed comm both ways.
-    qwz / hpz / qgz: ZeRO++ (zero3 only): int8 forward all-gather (+ one fp32 scale per
-      `quant_block_elems` elements if given), backward all-gather inside the node from a secondary weight
-      copy sharded over `gpus_per_node`, int4 gradient reduce-scatter.
-    largest_layer_params: parameters of the largest layer, for the gathered-buffer (transient) term.
-    layers: how many equal layers the overlap model splits compute and comm into.
-    compute: 6 x params x tokens_per_rank FLOP at peak_tflops x mfu.
-    link_gbytes: each rank's inter-node bandwidth (its NIC); intra_gbytes: within a node (NVLink).
-    Links: `traffic_bytes_by_link` files each term's per-rank bytes under the slowest link its ring
-      crosses (what paces it: a ring that spans nodes runs at NIC speed). `ring_bytes_all_ranks_by_link`
-      (and each term's `ring_bytes_all_ranks`) counts the bytes actually sent on each kind of link, summed
-      over all ranks, with rank r on node r // gpus_per_node and the ring rule of `ring_link_bytes`: the
-      figure `labkit compare` measures as `comm_by_link`.
-    accounting: "paper" (the terms above) or "deepspeed" (DeepSpeed's estimator: `deepspeed_zero_estimate`;
-      zero2/zero3 only); the other keys are the same either way.
-
-    Raises ValueError with one sentence naming the argument when an input is impossible.
-    """
-    n_params = _positive_int(
-        "params", round(params) if isinstance(params, float) and params >= 1 else params, "30e9"
-    )
-    n = _positive_int("world_size", world_size, "256")
-    strategy = _choice("strategy", strategy, STRATEGIES)
-    gpn = _positive_int("gpus_per_node", gpus_per_node, "8")
-    bytes_of = PRECISIONS[_choice("precision", precision, tuple(PRECISIONS))]
-    _choice("offload_optimizer", offload_optimizer, OFFLOAD_TARGETS)
-    _choice("offload_params", offload_params, OFFLOAD_TARGETS)
-    _choice("accounting", accounting, ("paper", "deepspeed"))
-    layers = _positive_int("layers", layers, "32")
-    tokens = _positive_float("tokens_per_rank", tokens_per_rank, "16384")
-    peak = _positive_float("peak_tflops", peak_tflops, "989")
-    mfu = _positive_float("mfu", mfu, "0.4", upper=1.0)
-    bandwidth = {
-        "inter_node": _positive_float("link_gbytes", link_gbytes, "50") * 1e9,
-        "intra_node": _positive_float("intra_gbytes", intra_gbytes, "450") * 1e9,
-    }
-    host_bw = _positive_float("host_gbytes", host_gbytes, "25") * 1e9
-    nvme_bw = _positive_float("nvme_gbytes", nvme_gbytes, "5") * 1e9
-    largest = int(largest_layer_params)
-    if largest < 0 or largest > n_params:
-        raise ValueError(
-            f"largest_layer_params must be between 0 and params={n_params}; got {largest_layer_params!r}."
-        )
-    if group_size is not None:
-        group_size = _positive_int("group_size", group_size, "8")
-        if n % group_size:
-            divisors = [d for d in (gpn, 8, 4, 2, 1) if n % d == 0 and d <= n]
-            raise ValueError(
-                f"group_size={group_size} does not divide world_size={n}; pass a divisor such as {divisors[0]}."
-            )
-    if strategy == "hsdp":
-        g = group_size if group_size is not None else min(gpn, n)
-        if n % g:
-            raise ValueError(
-                f"hsdp needs a group_size that divides world_size={n}; the default {g} does not, pass one."
-            )
-    else:
-        g = n
-    zeropp = [name for name, on in (("qwz", qwz), ("hpz", hpz), ("qgz", qgz)) if on]
-    if zeropp and strategy != "zero3":
-        raise ValueError(f"{', '.join(zeropp)} (ZeRO++) apply to strategy zero3; got strategy={strategy!r}.")
-    if offload_params != "none" and strategy not in ("zero3", "hsdp"):
-        raise ValueError(
-            f"offload_params needs sharded weights (strategy zero3 or hsdp); got strategy={strategy!r}."
-        )
-    if offload_optimizer != "none" and strategy == "ddp":
-        raise ValueError(
-            "offload_optimizer needs a ZeRO strategy (zero1, zero2, zero3 or hsdp); got strategy='ddp'."
-        )
-    if quant_block_elems is not None:
-        quant_block_elems = _positive_int("quant_block_elems", quant_block_elems, "2048")
-    if accounting == "deepspeed" and strategy not in ("zero2", "zero3"):
-        raise ValueError(
-            f"accounting='deepspeed' follows DeepSpeed's ZeRO-2/3 estimators; use strategy zero2 or zero3, not {strategy!r}."
-        )
-
-    # ---- memory: each term is replicated or split over `shard` ranks (flat padding to a multiple of it)
-    shard = {t: (g if t in _SHARDED_TERMS[strategy] else 1) for t in MEMORY_TERMS}
-    elems = {t: padded_flat_numel(n_params, shard[t]) // shard[t] for t in MEMORY_TERMS}
-    resident = {t: int(elems[t] * bytes_of[t]) for t in MEMORY_TERMS}
-    gpu = dict(resident)
-    host = dict.fromkeys(MEMORY_TERMS, 0)
-    nvme = dict.fromkeys(MEMORY_TERMS, 0)
-    moved = []
-    if offload_optimizer != "none":
-        moved += [(t, offload_optimizer) for t in _OPTIMIZER_TERMS]
-        if shard["grads"] > 1:
-            moved.append(("grads", "cpu"))
-    if offload_params != "none":
-        moved.append(("weights", offload_params))
-    for t, target in moved:
-        gpu[t] = 0
-        size = elems[t] * _HOST_GRAD_BYTES if t == "grads" else resident[t]
-        (host if target == "cpu" else nvme)[t] = size
-
-    bytes_per_param = sum(bytes_of.values())
-    static_bytes_total = int(n_params * bytes_per_param)
-    replication = {t: n // shard[t] for t in MEMORY_TERMS}
-
-    # ---- traffic: one dict per collective a rank takes part in each step
-    w_b, g_b = bytes_of["weights"], bytes_of["grads"]
-    flat = padded_flat_numel(n_params, n)
-    terms: list[dict] = []
-    if strategy == "ddp":
-        terms.append(
-            _term("gradient all-reduce", "all_reduce", "all_reduce", "backward", flat * g_b, n, _link(n, gpn))
-        )
-    elif strategy in ("zero1", "zero2"):
-        terms.append(
-            _term(
-                "gradient reduce-scatter",
-                "reduce_scatter",
-                "reduce_scatter",
-                "backward",
-                flat * g_b,
-                n,
-                _link(n, gpn),
-            )
-        )
-        terms.append(
-            _term(
-                "all-gather of updated weights",
-                "all_gather_after_step",
-                "all_gather",
-                "step",
-                flat * w_b,
-                n,
-                _link(n, gpn),
-            )
-        )
-    else:
-        group_link = "intra_node" if (g <= gpn and gpn % g == 0) or n <= gpn else "inter_node"
-        gflat = padded_flat_numel(n_params, g)
-        fwd_payload = gflat * w_b
-        if qwz:
-            fwd_payload = gflat * _QUANT_BYTES["qwz"]
-            if quant_block_elems:
-                fwd_payload += -(-gflat // quant_block_elems) * _SCALE_BYTES
-        terms.append(
-            _term(
-                "forward all-gather of weights" + (" (qwZ int8)" if qwz else ""),
-                "all_gather_forward",
-                "all_gather",
-                "forward",
-                fwd_payload,
-                g,
-                group_link,
-            )
-        )
-        if reshard_after_forward:
-            if hpz:
-                h = min(gpn, n)
-                terms.append(
-                    _term(
-                        "backward all-gather from the node's secondary copy (hpZ)",
-                        "all_gather_backward",
-                        "all_gather",
-                        "backward",
-                        padded_flat_numel(n_params, h) * w_b,
-                        h,
-                        "intra_node",
-                    )
-                )
-            else:
-                terms.append(
-                    _term(
-                        "backward all-gather of weights",
-                        "all_gather_backward",
-                        "all_gather",
-                        "backward",
-                        gflat * w_b,
-                        g,
-                        group_link,
-                    )
-                )
-        rs_payload = gflat * g_b
-        if qgz:
-            rs_payload = gflat * _QUANT_BYTES["qgz"]
-            if quant_block_elems:
-                rs_payload += -(-gflat // quant_block_elems) * _SCALE_BYTES
-        terms.append(
-            _term(
-                "gradient reduce-scatter" + (" (qgZ int4)" if qgz else ""),
-                "reduce_scatter",
-                "reduce_scatter",
-                "backward",
-                rs_payload,
-                g,
-                group_link,
-            )
-        )
-        if strategy == "hsdp":
-            replicas = n // g
-            terms.append(
-                _term(
-                    f"all-reduce of gradient shards across {replicas} groups",
-                    "all_reduce",
-                    "all_reduce",
-                    "backward",
-                    elems["grads"] * g_b,
-                    replicas,
-                    _link(n, gpn),
-                    strided=True,
-                )
-            )
-
-    traffic_by_collective = dict.fromkeys(TRAFFIC_KEYS, 0)
-    traffic_by_link = dict.fromkeys(LINKS, 0)
-    ring_by_link = dict.fromkeys(LINKS, 0)
-    for t in terms:
-        strided = t.pop("strided_groups")
-        t["ring_bytes_all_ranks"] = _ring_bytes_all_ranks(
-            t["collective"], t["payload_bytes"], n, t["group_size"], gpn, strided
-        )
-        for link in LINKS:
-            ring_by_link[link] += t["ring_bytes_all_ranks"][link]
-    comm_time_by_link = dict.fromkeys(LINKS, 0.0)
-    comm_s_by_phase = {"forward": 0.0, "backward_gather": 0.0, "backward_reduce": 0.0, "step": 0.0}
-    for t in terms:
-        traffic_by_collective[t["key"]] += t["wire_bytes"]
-        traffic_by_link[t["link"]] += t["wire_bytes"]
-        t["time_s"] = t["wire_bytes"] / bandwidth[t["link"]]
-        comm_time_by_link[t["link"]] += t["time_s"]
-        phase = (
-            t["phase"]
-            if t["phase"] != "backward"
-            else ("backward_gather" if t["collective"] == "all_gather" else "backward_reduce")
-        )
-        comm_s_by_phase[phase] += t["time_s"]
-    traffic = sum(traffic_by_collective.values())
-    traffic_large_n = sum(
-        t["payload_bytes"] * (2 if t["collective"] == "all_reduce" else 1)
-        for t in terms
-        if t["group_size"] > 1
-    )
-
-    # ---- offload traffic over PCIe and to NVMe, per rank per step
-    host_io = nvme_io = 0
-    if offload_optimizer != "none":
-        sh = elems["master"]
-        grad_shard = elems["grads"] if shard["grads"] > 1 else sh
-        host_io += grad_shard * g_b + sh * w_b  # gradient shard down, updated weight shard back up
-        if offload_optimizer == "nvme":
-            nvme_io += 2 * sum(resident[t] for t in _OPTIMIZER_TERMS)  # read and write back master, m, v
-    if offload_params != "none":
-        host_io += 2 * resident["weights"]  # the shard goes up for the forward and the backward all-gather
-        if offload_params == "nvme":
-            nvme_io += 3 * resident["weights"]  # two reads, one write of the updated shard
-    offload_time_s = host_io / host_bw + nvme_io / nvme_bw
-
-    # ---- time
-    flops = 6.0 * n_params * tokens
-    compute_time_s = flops / (peak * 1e12 * mfu)
-    fwd_k, bwd_k = compute_time_s / 3, 2 * compute_time_s / 3
-    comm_time_s = sum(comm_time_by_link.values())
-    reduce_hidden = _overlap_exposed_s(comm_s_by_phase["backward_reduce"], bwd_k, layers)
-    exposed_prefetch = (
-        _overlap_exposed_s(comm_s_by_phase["forward"], fwd_k, layers)
-        + _overlap_exposed_s(
-            comm_s_by_phase["backward_gather"] + comm_s_by_phase["backward_reduce"], bwd_k, layers
-        )
-        + comm_s_by_phase["step"]
-    )
-    exposed_no_prefetch = (
-        comm_s_by_phase["forward"]
-        + comm_s_by_phase["backward_gather"]
-        + reduce_hidden
-        + comm_s_by_phase["step"]
-    )
-    exposed = exposed_prefetch if prefetch else exposed_no_prefetch
-
-    # ---- transient buffers on the GPU (gathered layers, weights kept for backward)
-    transient = {
-        "gathered_weights": 0,
-        "unsharded_layer_grads": 0,
-        "weights_kept_for_backward": 0,
-        "hpz_secondary_weights": 0,
-    }
-    if strategy in ("zero3", "hsdp"):
-        transient["gathered_weights"] = int((2 if prefetch else 1) * largest * w_b)
-        transient["unsharded_layer_grads"] = int(largest * g_b)
-        if not reshard_after_forward:
-            transient["weights_kept_for_backward"] = int(n_params * w_b) - resident["weights"]
-        if hpz:
-            transient["hpz_secondary_weights"] = int(
-                padded_flat_numel(n_params, min(gpn, n)) // min(gpn, n) * w_b
-            )
-
-    state_bytes_per_rank = sum(gpu.values())
-    result = {
-        "params": n_params,
-        "world_size": n,
-        "strategy": strategy,
-        "group_size": g,
-        "replica_groups": n // g,
-        "gpus_per_node": gpn,
-        "nodes": -(-n // gpn),
-        "precision": precision,
-        "bytes_per_param": bytes_per_param,
-        "accounting": accounting,
-        "static_bytes_total": static_bytes_total,
-        "state_bytes_per_rank": state_bytes_per_rank,
-        "state_fraction_per_rank": state_bytes_per_rank / static_bytes_total,
-        "memory_bytes_per_rank": gpu,
-        "shard_ways": shard,
-        "copies_in_cluster": replication,
-        "state_bytes_all_ranks": state_bytes_per_rank * n,
-        "host_bytes_per_rank": host,
-        "nvme_bytes_per_rank": nvme,
-        "host_bytes_total": sum(host.values()) * n,
-        "nvme_bytes_total": sum(nvme.values()) * n,
-        "transient_bytes_per_rank": transient,
-        "gpu_bytes_per_rank": state_bytes_per_rank + sum(transient.values()),
-        "traffic_bytes_per_rank": traffic,
-        "traffic_bytes_per_rank_large_n": traffic_large_n,
-        "traffic_bytes_by_collective": traffic_by_collective,
-        "traffic_bytes_by_link": traffic_by_link,
-        "ring_bytes_all_ranks_by_link": ring_by_link,
-        "traffic_terms": terms,
-        "host_io_bytes_per_rank": host_io,
-        "nvme_io_bytes_per_rank": nvme_io,
-        "flops_per_rank": flops,
-        "compute_time_s": compute_time_s,
-        "comm_time_s": comm_time_s,
-        "comm_time_by_link_s": comm_time_by_link,
-        "comm_to_compute": comm_time_s / compute_time_s,
-        "exposed_comm_s": exposed,
-        "exposed_comm_prefetch_s": exposed_prefetch,
-        "exposed_comm_no_prefetch_s": exposed_no_prefetch,
-        "offload_time_s": offload_time_s,
-        "step_time_s": compute_time_s + exposed + offload_time_s,
-        "options": {
-            "reshard_after_forward": bool(reshard_after_forward),
-            "prefetch": bool(prefetch),
-            "qwz": bool(qwz),
-            "hpz": bool(hpz),
-            "qgz": bool(qgz),
-            "quant_block_elems": quant_block_elems,
-            "offload_optimizer": offload_optimizer,
-            "offload_params": offload_params,
-            "largest_layer_params": largest,
-            "layers": layers,
-            "tokens_per_rank": tokens,
-            "peak_tflops": peak,
-            "mfu": mfu,
-            "link_gbytes": link_gbytes,
-            "intra_gbytes": intra_gbytes,
-            "host_gbytes": host_gbytes,
-            "nvme_gbytes": nvme_gbytes,
-        },
-    }
-    if accounting == "deepspeed":
-        result.update(
-            _deepspeed_accounting(
-                result, strategy, offload_optimizer, offload_params, zero_init, additional_buffer_factor
-            )
-        )
-    return result
+def _deepspeed_nodes(world_size: int, gpus_per_node: int) -> tuple[int, int]:
+    """(GPUs per node, nodes) as DeepSpeed's estimator takes them; fewer ranks than a node are one node."""
+    return (gpus_per_node, world_size // gpus_per_node) if world_size >= gpus_per_node else (world_size, 1)
 
 
-def _deepspeed_accounting(
-    result: dict,
-    strategy: str,
-    offload_optimizer: str,
-    offload_params: str,
-    zero_init: bool,
-    buffer_factor: float,
-) -> dict:
-    n, gpn, n_params = result["world_size"], result["gpus_per_node"], result["params"]
-    per_node, nodes = (gpn, n // gpn) if n >= gpn else (n, 1)
-    if per_node * nodes != n:
-        raise ValueError(
-            f"accounting='deepspeed' needs whole nodes: world_size={n} is not a multiple of gpus_per_node={gpn}."
-        )
-    if "nvme" in (offload_optimizer, offload_params):
-        raise ValueError(
-            "accounting='deepspeed' covers offload to cpu only (DeepSpeed's estimator has no NVMe case); pass 'cpu' or 'none'."
-        )
-    stage = 3 if strategy == "zero3" else 2
+def _deepspeed_accounting(p: PlanInputs, paper_state_bytes_per_rank: int) -> dict:
+    """The keys accounting="deepspeed" replaces: DeepSpeed's estimate of the state and its own itemisation."""
+    n, n_params = p.world_size, p.params
+    per_node, nodes = _deepspeed_nodes(n, p.gpus_per_node)
+    stage = 3 if p.strategy == "zero3" else 2
     est = deepspeed_zero_estimate(
         n_params,
-        result["options"]["largest_layer_params"],
+        p.largest_layer_params,
         stage=stage,
         num_gpus_per_node=per_node,
         num_nodes=nodes,
-        cpu_offload=offload_optimizer == "cpu",
-        cpu_offload_params=offload_params == "cpu",
-        zero_init=zero_init,
-        additional_buffer_factor=buffer_factor,
+        cpu_offload=p.offload_optimizer == "cpu",
+        cpu_offload_params=p.offload_params == "cpu",
+        zero_init=p.zero_init,
+        additional_buffer_factor=p.additional_buffer_factor,
     )
     # DeepSpeed's itemisation of its 18 B/param (its ZeRO-2 source comment), sharded over all GPUs.
     itemised = {
@@ -697,9 +821,9 @@ def _deepspeed_accounting(
         "adam_m": 4 * n_params // n,
         "adam_v": 4 * n_params // n,
     }
-    if offload_optimizer == "cpu":
+    if p.offload_optimizer == "cpu":
         itemised = dict.fromkeys(itemised, 0)
-        if stage == 3 and offload_params == "none":
+        if stage == 3 and p.offload_params == "none":
             itemised["weights"] = int(2 * n_params / n)
     if stage == 2:
         itemised["weights"] = 2 * n_params
@@ -710,8 +834,11 @@ def _deepspeed_accounting(
         "state_gib_per_rank": est["gpu_gib_per_rank"],
         "memory_bytes_per_rank": itemised,
         "deepspeed_estimate": est,
-        "paper_state_bytes_per_rank": result["state_bytes_per_rank"],
+        "paper_state_bytes_per_rank": paper_state_bytes_per_rank,
     }
+
+
+# ---- reading a plan ----------------------------------------------------------------------------------------
 
 
 def format_bytes(n_bytes: float) -> str:
@@ -724,64 +851,57 @@ def format_bytes(n_bytes: float) -> str:
 
 def summary_rows(result: dict) -> list[tuple[str, str, str]]:
     """The numbers of a `plan()` result as (section, quantity, value) rows, for tables in the CLI and widgets."""
-    rows = []
-    mem = result["memory_bytes_per_rank"]
-    for term, value in mem.items():
-        rows.append(("memory per rank", term, format_bytes(value)))
-    rows.append(("memory per rank", "state total", format_bytes(result["state_bytes_per_rank"])))
+    return _memory_rows(result) + _traffic_rows(result) + _time_rows(result)
+
+
+def _memory_rows(result: dict) -> list[tuple[str, str, str]]:
+    section = "memory per rank"
+    rows = [(section, term, format_bytes(value)) for term, value in result["memory_bytes_per_rank"].items()]
+    rows.append((section, "state total", format_bytes(result["state_bytes_per_rank"])))
     if "state_gib_per_rank" in result:
-        rows.append(
-            ("memory per rank", "state total (GiB, DeepSpeed)", f"{result['state_gib_per_rank']:.2f} GiB")
-        )
+        rows.append((section, "state total (GiB, DeepSpeed)", f"{result['state_gib_per_rank']:.2f} GiB"))
     transient = sum(result["transient_bytes_per_rank"].values())
     if transient:
-        rows.append(("memory per rank", "transient buffers", format_bytes(transient)))
+        rows.append((section, "transient buffers", format_bytes(transient)))
     for where in ("host", "nvme"):
         held = sum(result[f"{where}_bytes_per_rank"].values())
         if held:
-            rows.append(("memory per rank", f"on {where} (offloaded)", format_bytes(held)))
-    rows.append(("memory per rank", "whole model's state, once", format_bytes(result["static_bytes_total"])))
-    copies = result["copies_in_cluster"]["weights"]
-    rows.append(("memory per rank", "copies of the weights in the cluster", f"{copies}"))
+            rows.append((section, f"on {where} (offloaded)", format_bytes(held)))
+    rows.append((section, "whole model's state, once", format_bytes(result["static_bytes_total"])))
+    rows.append(
+        (section, "copies of the weights in the cluster", f"{result['copies_in_cluster']['weights']}")
+    )
+    return rows
+
+
+def _traffic_rows(result: dict) -> list[tuple[str, str, str]]:
+    section = "traffic per rank per step"
+    rows = []
     for t in result["traffic_terms"]:
         where = "intra-node" if t["link"] == "intra_node" else "inter-node"
         rows.append(
-            (
-                "traffic per rank per step",
-                f"{t['name']} ({t['group_size']} ranks, {where})",
-                format_bytes(t["wire_bytes"]),
-            )
+            (section, f"{t['name']} ({t['group_size']} ranks, {where})", format_bytes(t["wire_bytes"]))
         )
-    rows.append(("traffic per rank per step", "total", format_bytes(result["traffic_bytes_per_rank"])))
+    rows.append((section, "total", format_bytes(result["traffic_bytes_per_rank"])))
     rows.append(
-        (
-            "traffic per rank per step",
-            "total as n grows (no (n-1)/n)",
-            format_bytes(result["traffic_bytes_per_rank_large_n"]),
-        )
+        (section, "total as n grows (no (n-1)/n)", format_bytes(result["traffic_bytes_per_rank_large_n"]))
     )
     for link, value in result["traffic_bytes_by_link"].items():
-        rows.append(("traffic per rank per step", f"on {link.replace('_', '-')} links", format_bytes(value)))
+        rows.append((section, f"on {link.replace('_', '-')} links", format_bytes(value)))
     if result["host_io_bytes_per_rank"] or result["nvme_io_bytes_per_rank"]:
-        rows.append(
-            (
-                "traffic per rank per step",
-                "to/from host (PCIe)",
-                format_bytes(result["host_io_bytes_per_rank"]),
-            )
-        )
-        rows.append(
-            ("traffic per rank per step", "to/from NVMe", format_bytes(result["nvme_io_bytes_per_rank"]))
-        )
-    rows.append(("time per step", "compute", f"{result['compute_time_s']:.3f} s"))
-    rows.append(("time per step", "communication (serial)", f"{result['comm_time_s']:.3f} s"))
-    rows.append(
-        ("time per step", "exposed comm, one-layer prefetch", f"{result['exposed_comm_prefetch_s']:.3f} s")
-    )
-    rows.append(
-        ("time per step", "exposed comm, no prefetch", f"{result['exposed_comm_no_prefetch_s']:.3f} s")
-    )
-    if result["offload_time_s"]:
-        rows.append(("time per step", "offload transfers", f"{result['offload_time_s']:.3f} s"))
-    rows.append(("time per step", "step", f"{result['step_time_s']:.3f} s"))
+        rows.append((section, "to/from host (PCIe)", format_bytes(result["host_io_bytes_per_rank"])))
+        rows.append((section, "to/from NVMe", format_bytes(result["nvme_io_bytes_per_rank"])))
     return rows
+
+
+def _time_rows(result: dict) -> list[tuple[str, str, str]]:
+    rows = [
+        ("compute", result["compute_time_s"]),
+        ("communication (serial)", result["comm_time_s"]),
+        ("exposed comm, one-layer prefetch", result["exposed_comm_prefetch_s"]),
+        ("exposed comm, no prefetch", result["exposed_comm_no_prefetch_s"]),
+    ]
+    if result["offload_time_s"]:
+        rows.append(("offload transfers", result["offload_time_s"]))
+    rows.append(("step", result["step_time_s"]))
+    return [("time per step", quantity, f"{seconds:.3f} s") for quantity, seconds in rows]

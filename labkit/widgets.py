@@ -58,85 +58,81 @@ def table_html(result: dict) -> str:
     return "".join(out)
 
 
+# The controls over `plan()`'s inputs: which widget each gets, its label and its range (a log slider's
+# exponents). Values start at the caller's options, else at the defaults of `budget.PlanInputs`; dropdowns
+# and toggles list the input's choices unless the settings name `options`. Inputs not here keep their value.
+CONTROLS: dict[str, tuple[str, str, dict]] = {
+    "params": ("log", "params", {"base": 10, "low": 6, "high": 13, "step": 0.01, "readout_format": ".3g"}),
+    "world_size": ("ranks", "ranks", {}),
+    "strategy": ("toggle", "strategy", {}),
+    "group_size": ("dropdown", "group size", {"options": [1]}),  # the divisors of world_size, once known
+    "gpus_per_node": ("dropdown", "GPUs/node", {"options": [1, 2, 4, 8, 16]}),
+    "precision": ("dropdown", "precision", {}),
+    "offload_optimizer": ("dropdown", "offload opt.", {}),
+    "offload_params": ("dropdown", "offload params", {}),
+    "prefetch": ("checkbox", "one-layer prefetch", {}),
+    "reshard_after_forward": ("checkbox", "reshard after forward", {}),
+    "tokens_per_rank": ("log", "tokens/rank", {"base": 2, "low": 9, "high": 20, "step": 1, "readout_format": ".0f"}),
+    "link_gbytes": ("log", "NIC GB/s", {"base": 10, "low": 0, "high": 3, "step": 0.01, "readout_format": ".3g"}),
+    "intra_gbytes": ("log", "NVLink GB/s", {"base": 10, "low": 1, "high": 3.5, "step": 0.01, "readout_format": ".3g"}),
+    "peak_tflops": ("log", "peak TFLOP/s", {"base": 10, "low": 1, "high": 4, "step": 0.01, "readout_format": ".4g"}),
+    "mfu": ("slider", "MFU", {"min": 0.05, "max": 1.0, "step": 0.01}),
+}  # fmt: skip
+# How the controls are laid out: one row of widgets per tuple.
+ROWS = (
+    ("params", "world_size"),
+    ("strategy",),
+    ("group_size", "gpus_per_node", "precision"),
+    ("offload_optimizer", "offload_params", "prefetch", "reshard_after_forward"),
+    ("tokens_per_rank", "peak_tflops", "mfu"),
+    ("link_gbytes", "intra_gbytes"),
+)
+_SPECS = {i.name: i.spec for i in budget.INPUTS}
+
+
+def _control(name: str, value) -> W.Widget:
+    """The widget `CONTROLS` names for the input `name`, starting at `value`."""
+    widget, label, settings = CONTROLS[name]
+    if widget == "log":
+        return log_slider(value, description=label, **settings)
+    if widget == "slider":
+        return W.FloatSlider(value=value, description=label, **settings)
+    if widget == "checkbox":
+        return W.Checkbox(value=value, description=label)
+    if widget == "ranks":
+        return W.SelectionSlider(
+            options=sorted(set(RANK_CHOICES) | {int(value)}), value=int(value), description=label
+        )
+    settings = {"options": _SPECS[name].choices, **settings}
+    if value is None:  # an input whose default is "none given" (group_size) starts on the first option
+        value = settings["options"][0]
+    kind = W.Dropdown if widget == "dropdown" else W.ToggleButtons
+    return kind(value=value, description=label, **settings)
+
+
 class BudgetCalculator:
-    """Controls for every input of `plan()`, a figure (memory bars + time bars) and a numbers table.
+    """Controls for the inputs of `plan()` (`CONTROLS`), a figure (memory bars + time bars) and a numbers table.
 
     `controls` maps each `plan()` argument name to its widget; `result` is the latest `plan()` result;
     `widget` is the whole layout. A combination `plan()` refuses (say offload of params under ddp) shows its
     one-sentence error instead of a figure and keeps the last good result.
     """
 
-    def __init__(self, params: float = 30e9, world_size: int = 256, strategy: str = "zero3", **options):
-        ranks = sorted(set(RANK_CHOICES) | {int(world_size)})
-        c = {
-            "params": log_slider(
-                params, base=10, low=6, high=13, step=0.01, description="params", readout_format=".3g"
-            ),
-            "world_size": W.SelectionSlider(options=ranks, value=int(world_size), description="ranks"),
-            "strategy": W.ToggleButtons(options=budget.STRATEGIES, value=strategy, description="strategy"),
-            "group_size": W.Dropdown(options=[1], value=1, description="group size"),
-            "gpus_per_node": W.Dropdown(
-                options=[1, 2, 4, 8, 16], value=options.get("gpus_per_node", 8), description="GPUs/node"
-            ),
-            "precision": W.Dropdown(
-                options=tuple(budget.PRECISIONS),
-                value=options.get("precision", "bf16_mixed"),
-                description="precision",
-            ),
-            "offload_optimizer": W.Dropdown(
-                options=budget.OFFLOAD_TARGETS,
-                value=options.get("offload_optimizer", "none"),
-                description="offload opt.",
-            ),
-            "offload_params": W.Dropdown(
-                options=budget.OFFLOAD_TARGETS,
-                value=options.get("offload_params", "none"),
-                description="offload params",
-            ),
-            "prefetch": W.Checkbox(value=options.get("prefetch", True), description="one-layer prefetch"),
-            "reshard_after_forward": W.Checkbox(
-                value=options.get("reshard_after_forward", True), description="reshard after forward"
-            ),
-            "tokens_per_rank": log_slider(
-                options.get("tokens_per_rank", 16384),
-                base=2,
-                low=9,
-                high=20,
-                step=1,
-                description="tokens/rank",
-                readout_format=".0f",
-            ),
-            "link_gbytes": log_slider(
-                options.get("link_gbytes", 50.0),
-                base=10,
-                low=0,
-                high=3,
-                step=0.01,
-                description="NIC GB/s",
-                readout_format=".3g",
-            ),
-            "intra_gbytes": log_slider(
-                options.get("intra_gbytes", 450.0),
-                base=10,
-                low=1,
-                high=3.5,
-                step=0.01,
-                description="NVLink GB/s",
-                readout_format=".3g",
-            ),
-            "peak_tflops": log_slider(
-                options.get("peak_tflops", 989.0),
-                base=10,
-                low=1,
-                high=4,
-                step=0.01,
-                description="peak TFLOP/s",
-                readout_format=".4g",
-            ),
-            "mfu": W.FloatSlider(
-                value=options.get("mfu", 0.4), min=0.05, max=1.0, step=0.01, description="MFU"
-            ),
+    def __init__(
+        self,
+        params: float = 30e9,
+        world_size: int = 256,
+        strategy: str = budget.DEFAULTS["strategy"],
+        **options,
+    ):
+        start = {
+            **budget.DEFAULTS,
+            **options,
+            "params": params,
+            "world_size": world_size,
+            "strategy": strategy,
         }
+        c = {name: _control(name, start[name]) for name in CONTROLS}
         self.controls = c
         self._fixed = {k: v for k, v in options.items() if k not in c}  # options without a control (e.g. qwz)
         self._set_group_choices(options.get("group_size") or min(c["gpus_per_node"].value, int(world_size)))
@@ -145,15 +141,8 @@ class BudgetCalculator:
         self.error = W.HTML()
         self.result: dict | None = None
         self.widget = W.VBox(
-            [
-                W.HBox([c["params"], c["world_size"]]),
-                c["strategy"],
-                W.HBox([c["group_size"], c["gpus_per_node"], c["precision"]]),
-                W.HBox(
-                    [c["offload_optimizer"], c["offload_params"], c["prefetch"], c["reshard_after_forward"]]
-                ),
-                W.HBox([c["tokens_per_rank"], c["peak_tflops"], c["mfu"]]),
-                W.HBox([c["link_gbytes"], c["intra_gbytes"]]),
+            [W.HBox([c[name] for name in row]) if len(row) > 1 else c[row[0]] for row in ROWS]
+            + [
                 self.error,
                 # Not stretched to the table's height (a flex row stretches its items), the table below it
                 # when the two do not fit side by side.
@@ -235,7 +224,12 @@ class StaticBudget:
 
 
 def budget_calculator(
-    params: float = 30e9, world_size: int = 256, strategy: str = "zero3", *, static: bool = False, **options
+    params: float = 30e9,
+    world_size: int = 256,
+    strategy: str = budget.DEFAULTS["strategy"],
+    *,
+    static: bool = False,
+    **options,
 ):
     """A calculator over `plan()` starting from these arguments (any `plan()` option may be given).
 

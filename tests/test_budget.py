@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
+import inspect
 import math
 import pathlib
 import subprocess
@@ -12,7 +14,7 @@ import time
 import pytest
 
 from labkit import budget
-from labkit.budget import collective_wire_bytes, plan
+from labkit.budget import PlanInputs, collective_wire_bytes, plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -292,6 +294,74 @@ def test_bad_input_is_one_sentence_naming_the_argument(args, kwargs, names):
     assert "\n" not in message and message.endswith(".")
 
 
+def test_inputs_are_checked_where_they_are_declared():
+    with pytest.raises(ValueError, match="largest_layer_params must be a whole number"):
+        plan(1e9, 8, largest_layer_params=1.5)  # the CLI refused this; plan() used to truncate it
+    with pytest.raises(ValueError, match="params must be a positive whole number"):
+        plan(math.inf, 8)  # not an OverflowError from round()
+    with pytest.raises(ValueError, match="additional_buffer_factor must be a positive number"):
+        plan(1e9, 8, accounting="deepspeed", additional_buffer_factor=0)
+    with pytest.raises(TypeError, match="tokens"):
+        plan(1e9, 8, tokens=4096)  # a misspelt option is not silently ignored
+
+
+# ---- the inputs, in one dataclass --------------------------------------------------------------------
+
+
+def test_plan_inputs_hold_every_default_once():
+    p = PlanInputs(30e9, 256)
+    assert p.params == 30_000_000_000 and isinstance(p.params, int)  # normalised as it is checked
+    assert p.tokens_per_rank == 16384.0 and isinstance(p.tokens_per_rank, float)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.mfu = 0.5
+    assert dataclasses.replace(p, strategy="hsdp").shard_group == 8  # one node by default
+    # plan()'s signature is the contract's; its options are exactly the other fields, with their defaults
+    sig = inspect.signature(plan)
+    assert list(sig.parameters) == ["params", "world_size", "strategy", "options"]
+    assert sig.parameters["strategy"].default == "zero3" == budget.DEFAULTS["strategy"]
+    names = [f.name for f in dataclasses.fields(PlanInputs)]
+    assert names[:3] == ["params", "world_size", "strategy"] and [i.name for i in budget.INPUTS] == names
+    assert plan(30e9, 256, **budget.DEFAULTS) == plan(30e9, 256)
+    for i in budget.INPUTS:
+        assert i.spec.kind in ("count", "number", "choice", "switch") and i.spec.help, i.name
+        if i.spec.kind in ("count", "number"):
+            assert i.spec.example, i.name  # what an error message suggests
+        if i.spec.kind == "choice":
+            assert i.default in i.spec.choices, i.name
+    assert budget.DEFAULTS["link_gbytes"] == 50.0 and budget.DEFAULTS["peak_tflops"] == 989.0
+
+
+def test_traffic_terms_are_typed_and_follow_the_strategy_table():
+    for strategy, collectives in budget.STEP_COLLECTIVES.items():
+        inputs = PlanInputs(1000, 16, strategy)
+        terms = budget.traffic_terms(inputs)
+        assert all(isinstance(t, budget.Term) for t in terms)
+        assert [t.key for t in terms] == [c.key for c in collectives]
+        assert plan(1000, 16, strategy)["traffic_terms"] == [t._asdict() for t in terms]
+    # the options edit the table's rows: no backward all-gather, or hpZ's from the node's copy
+    assert [t.key for t in budget.traffic_terms(PlanInputs(1000, 16, reshard_after_forward=False))] == [
+        "all_gather_forward",
+        "reduce_scatter",
+    ]
+    hpz = budget.traffic_terms(PlanInputs(1000, 16, hpz=True))[1]
+    assert (hpz.key, hpz.group_size, hpz.link) == ("all_gather_backward", 8, "intra_node")
+
+
+def test_one_quantised_payload_for_qwz_and_qgz():
+    assert budget.quantised_payload_bytes(4096, 1.0, None) == 4096
+    assert budget.quantised_payload_bytes(4096, 0.5, 2048) == 2048 + 2 * 4  # two fp32 scales
+    assert budget.quantised_payload_bytes(4097, 1.0, 2048) == 4097 + 3 * 4  # a partial block has a scale
+    by = plan(4096 * 16, 16, qwz=True, qgz=True, quant_block_elems=2048)["traffic_terms"]
+    assert by[0]["payload_bytes"] == budget.quantised_payload_bytes(4096 * 16, 1.0, 2048)
+    assert by[-1]["payload_bytes"] == budget.quantised_payload_bytes(4096 * 16, 0.5, 2048)
+
+
+def test_budget_functions_are_short():
+    tree = ast.parse((ROOT / "labkit" / "budget.py").read_text())
+    lengths = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert max(lengths.values()) <= 60, sorted(lengths.items(), key=lambda kv: -kv[1])[:3]
+
+
 # ---- DeepSpeed's own accounting ----------------------------------------------------------------------
 
 LARGEST_7B = 4096 * 16384  # a 4h x h MLP matrix at h = 4096, the largest layer of a 7.5B GPT
@@ -347,11 +417,11 @@ def test_deepspeed_estimator_matches_deepspeed(stage, offload, offload_params, z
 
 
 def test_budget_module_imports_neither_torch_nor_numpy():
-    # labkit/__init__ imports torch, so load budget.py on its own, as a file, in a fresh interpreter.
+    # Load budget.py on its own, as a file, in a fresh interpreter (registered, as dataclasses need).
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('b', {str(ROOT / 'labkit' / 'budget.py')!r})\n"
-        "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b)\n"
+        "b = importlib.util.module_from_spec(spec); sys.modules['b'] = b; spec.loader.exec_module(b)\n"
         "b.plan(30e9, 256); b.plan(30e9, 512, 'hsdp', group_size=8)\n"
         "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n"
     )

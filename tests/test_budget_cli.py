@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from labkit import budget
-from labkit.cli import main
+from labkit.cli import build_parser, main
 
 CONTRACT_KEYS = {
     "static_bytes_total",
@@ -81,6 +81,12 @@ def test_json_to_file_and_options_reach_plan(tmp_path, capsys):
             "--offload-params",
         ),
         (["--world-size", "8"], "--params"),
+        (["--params", "30e9", "--world-size", "2.5"], "--world-size"),
+        (
+            ["--params", "30e9", "--world-size", "8", "--largest-layer-params", "1.5"],
+            "--largest-layer-params",
+        ),
+        (["--params", "30e9", "--world-size", "8", "--strategy", "hsdp", "--qwz"], "--qwz"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, flag, capsys):
@@ -98,3 +104,16 @@ def test_bad_input_in_a_real_process_has_no_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert "--group-size=3 does not divide --world-size=256" in proc.stderr
+
+
+def test_flags_are_made_from_plan_inputs():
+    parser = build_parser()
+    args = parser.parse_args(["budget", "--params", "30e9", "--world-size", "256"])
+    assert args.params == 30_000_000_000 and args.world_size == 256
+    for name, default in budget.DEFAULTS.items():
+        assert getattr(args, name) == default, name  # every input has a flag, with plan()'s default
+    on = parser.parse_args(["budget", "--params", "1e9", "--world-size", "8", "--no-prefetch", "--qgz"])
+    assert (on.prefetch, on.qgz, on.reshard_after_forward) == (False, True, True)
+    sub = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["budget"]
+    text = " ".join(sub.format_help().split())  # unwrapped
+    assert "[GB/s] (default: 50)" in text and "[TFLOP/s] (default: 989)" in text and "--no-zero-init" in text

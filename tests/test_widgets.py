@@ -110,3 +110,21 @@ def test_executed_notebook_keeps_a_static_figure(tmp_path):
     ).execute()
     data = [o for o in nb.cells[0].outputs if o.output_type in ("display_data", "execute_result")][0]["data"]
     assert "data:image/png;base64," in data["text/html"] and "1.875 GB" in data["text/html"]
+
+
+def test_controls_are_made_from_plan_inputs():
+    calc = widgets.BudgetCalculator(30e9, 256)
+    assert set(calc.controls) == set(widgets.CONTROLS)
+    assert sorted(n for row in widgets.ROWS for n in row) == sorted(widgets.CONTROLS)  # each laid out once
+    specs = {i.name: i.spec for i in budget.INPUTS}
+    for name, control in calc.controls.items():
+        assert name in specs, name  # every control is an input of plan()
+        if name in budget.DEFAULTS and name != "group_size":
+            assert control.value == pytest.approx(budget.DEFAULTS[name]), name
+        if specs[name].kind == "choice":
+            assert tuple(control.options) == specs[name].choices, name
+    start = {**budget.DEFAULTS, "params": 30e9, "world_size": 256, "group_size": None}
+    assert calc.options() == {name: start[name] for name in widgets.CONTROLS}
+    start = widgets.BudgetCalculator(1e9, 8, "zero1", mfu=0.5, tokens_per_rank=4096, qgz=False)
+    assert (start.controls["mfu"].value, start.controls["tokens_per_rank"].value) == (0.5, 4096)
+    assert start.options()["qgz"] is False  # an input without a control is passed through
