@@ -117,3 +117,21 @@ def test_flags_are_made_from_plan_inputs():
     sub = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["budget"]
     text = " ".join(sub.format_help().split())  # unwrapped
     assert "[GB/s] (default: 50)" in text and "[TFLOP/s] (default: 989)" in text and "--no-zero-init" in text
+
+
+def test_help_imports_no_torch():
+    """`labkit --help` and `labkit budget --help` answer without importing torch (the CLI's promise)."""
+    code = (
+        "import sys\n"
+        "from labkit.cli import main\n"
+        "for argv in (['--help'], ['budget', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e\n"
+        "print('torch' in sys.modules, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--tokens-per-rank" in proc.stdout
+    assert proc.stderr.strip() == "False"

@@ -18,10 +18,11 @@ import sys
 from collections.abc import Callable
 
 from labkit.cli import UsageError
-from labkit.engines.base import ENGINES
 
 
 def _engine_list(text: str) -> list[str]:
+    from labkit.engines.base import ENGINES  # torch, so only once `compare` parses its flags, not at --help
+
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise argparse.ArgumentTypeError(f"pass engine names separated by commas, from {','.join(ENGINES)}")
@@ -60,7 +61,10 @@ def register(subparsers) -> None:
         "collective. Bytes are decimal: 1 MB = 1e6 B.",
     )
     p.add_argument(
-        "--engines", type=_engine_list, default=["single", "ddp"], help=f"from {','.join(ENGINES)}"
+        "--engines",
+        type=_engine_list,
+        default=["single", "ddp"],
+        help="engines to compare, comma-separated, e.g. single,scratch,fsdp2 (a wrong name lists them all)",
     )
     p.add_argument(
         "--world-size",
