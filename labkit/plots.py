@@ -203,36 +203,156 @@ def layout_figure(dim0_segments, flat_segments, world_size: int, title: str = ""
 
 # ---------------------------------------------------------------------------------------------- timelines
 
-_KIND_STYLE = {
-    "compute": ("#4C72B0", 0.0, 0.45),
-    "comm": ("#DD8452", 0.45, 0.25),
-    "wait": ("#C44E52", 0.7, 0.2),
+# Per rank, from the top: a band for the unit labels that do not fit inside their bar, the compute lane
+# (per-unit compute, forward light and backward dark, red where the thread is blocked on a collective),
+# then one lane per collective kind.
+_COMPUTE_STYLE = {  # what: (colour, label colour, legend)
+    "forward": ("#9DC3E6", "#1F3B5A", "forward of block i (Fi)"),
+    "backward": ("#2E75B6", "white", "backward of block i (Bi)"),
+    "root": ("#A5A5A5", "#202020", "root: embeddings, head, loss"),
+    "between": ("#DADADA", "#202020", "engine, between units"),
+    "optimizer": ("#70AD47", "#202020", "optimizer"),
+    "wait": ("#C00000", "white", "blocked on a collective (exposed)"),
 }
+_COMM_COLORS = {"all_gather": "#ED7D31", "reduce_scatter": "#7030A0", "all_reduce": "#00A3A3",
+                "broadcast": "#BF9000"}  # fmt: skip
+_LABEL_H, _COMPUTE_H, _COMM_H, _RANK_GAP = 0.3, 0.8, 0.42, 0.25  # heights (y units)
+_LABEL_PT = 7
 
 
-def gantt(timeline: Sequence[dict], *, ax=None, title: str | None = None, block_level: bool = True) -> Figure:
-    """Per-rank Gantt chart of a run's timeline (seconds): compute (blue), collectives in flight (orange),
-    the compute thread blocked on a collective (red, the exposed communication)."""
-    fig, ax = _figure_and_axes(ax, (10, 3.2))
-    ranks = sorted({e["rank"] for e in timeline})
-    t0 = min((e["start_s"] for e in timeline), default=0.0)
-    for e in timeline:
-        per_block = e["name"].startswith("blocks.")
-        if e["kind"] == "compute" and (
-            (block_level and e["name"] == "forward") or (not block_level and per_block)
-        ):
-            continue  # the forward phase is drawn block by block, or as one span
-        colour, offset, height = _KIND_STYLE.get(e["kind"], ("#999999", 0.9, 0.1))
-        ax.broken_barh([(e["start_s"] - t0, e["end_s"] - e["start_s"])], (e["rank"] + offset - 0.45, height),
-                       color=colour, edgecolor="none")  # fmt: skip
-    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds")
-    handles = [Patch(color=c, label=k) for k, (c, _, _) in _KIND_STYLE.items()]
-    ax.legend(handles=handles, loc="upper right", fontsize=8, ncols=3)
-    if title:
-        ax.set_title(title)
+def gantt(timeline: Sequence[dict], *, ax=None, title: str | None = None,
+          ranks: Sequence[int] | None = None) -> Figure:  # fmt: skip
+    """Per-rank timeline of one or more steps (ms): what the compute thread did, unit by unit, and the
+    collectives in flight, one lane per kind.
+
+    Compute lane: forward (light) and backward (dark) of each block, labelled Fi / Bi inside the bar, or
+    above it, where the label fits; the root's own compute (grey); the optimizer; red where the thread
+    was blocked on a collective, cut out of the compute (`labkit.probes.timeline.compute_segments`). Any
+    engine's timeline (loop.run's "timeline"); `ranks`: those to draw; `title`: the finding (else measured).
+    """
+    from labkit.probes.timeline import compute_segments  # here: it imports torch, the calculators do not
+
+    ranks = sorted({e["rank"] for e in timeline} if ranks is None else ranks)
+    events = [e for e in timeline if e["rank"] in ranks]
+    kinds = sorted({e["name"] for e in events if e["kind"] == "comm"}, key=_comm_order)
+    rank_h = _LABEL_H + _COMPUTE_H + _COMM_H * len(kinds) + _RANK_GAP
+    own_figure = ax is None
+    fig, ax = _figure_and_axes(ax, (11, 1.4 + 0.85 * len(ranks) * rank_h))
+    t0 = min((e["start_s"] for e in events), default=0.0)
+    span_ms = max((e["end_s"] for e in events), default=t0 + 1e-3) * 1e3 - t0 * 1e3
+    ax.set_xlim(0, span_ms * 1.01)
+    lane = _Lane(ax, t0, ms_per_inch=span_ms * 1.01 / max(1.0, fig.get_figwidth() - 1.3))
+    seen: set[str] = set()
+    ticks: list[tuple[float, str]] = []
+    for i, rank in enumerate(ranks):
+        top = i * rank_h + _LABEL_H
+        seen |= lane.compute(compute_segments(events, rank), top)
+        ticks.append((top + _COMPUTE_H / 2, f"rank {rank}"))
+        for j, kind in enumerate(kinds):
+            y = top + _COMPUTE_H + j * _COMM_H
+            lane.comm(
+                [e for e in events if e["rank"] == rank and e["kind"] == "comm" and e["name"] == kind], y
+            )
+            ticks.append((y + _COMM_H / 2, kind.replace("_", "-")))
+    ax.set_yticks([y for y, _ in ticks], [t for _, t in ticks])
+    for label in ax.get_yticklabels():
+        label.set_fontsize(9 if label.get_text().startswith("rank") else 7)
+    ax.set_ylim(len(ranks) * rank_h - _RANK_GAP, 0)
+    ax.set_xlabel("time (ms)")
+    ax.tick_params(axis="y", length=0)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    handles = [Patch(color=c, label=text) for what, (c, _, text) in _COMPUTE_STYLE.items() if what in seen]
+    handles += [Patch(color=_comm_color(k), label=f"{k.replace('_', '-')} in flight") for k in kinds]
+    if own_figure:
+        fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=8, frameon=False)
+    else:
+        ax.legend(handles=handles, loc="upper right", ncols=2, fontsize=7)
+    ax.set_title(title or _measured_title(events, ranks[0] if ranks else 0), fontsize=10)
     return fig
+
+
+class _Lane:
+    """Draws one rank's lanes on `ax`: times in seconds, drawn in ms from `t0`."""
+
+    def __init__(self, ax, t0_s: float, ms_per_inch: float):
+        self.ax, self.t0_s, self.ms_per_inch = ax, t0_s, ms_per_inch
+
+    def bar(self, e: dict) -> tuple[float, float]:
+        return (e["start_s"] - self.t0_s) * 1e3, (e["end_s"] - e["start_s"]) * 1e3
+
+    def compute(self, segments: Sequence[dict], top: float) -> set[str]:
+        """The compute lane from `compute_segments`, its unit labels; returns the styles drawn."""
+        by_style: dict[str, list[dict]] = {}
+        for seg in segments:
+            by_style.setdefault(_segment_style(seg) if seg["kind"] == "compute" else "wait", []).append(seg)
+        for what, segs in by_style.items():
+            edge = {"edgecolor": "white", "linewidth": 0.4} if what in ("forward", "backward") else {}
+            self.ax.broken_barh([self.bar(s) for s in segs], (top, _COMPUTE_H), color=_COMPUTE_STYLE[what][0],
+                                **({"edgecolor": "none"} | edge))  # fmt: skip
+        self._unit_labels([s for what in ("forward", "backward") for s in by_style.get(what, [])], top)
+        return set(by_style)
+
+    def _unit_labels(self, unit_segments: Sequence[dict], top: float) -> None:
+        """Fi / Bi on each unit span's widest piece: inside where it fits, else above if there is room."""
+        widest: dict[tuple, dict] = {}
+        for seg in unit_segments:
+            key = (seg["name"], seg["step"])
+            if key not in widest or _width(seg) > _width(widest[key]):
+                widest[key] = seg
+        above_until_ms = -1.0
+        for seg in sorted(widest.values(), key=lambda s: s["start_s"]):
+            what = _segment_style(seg)
+            label = ("F" if what == "forward" else "B") + seg["name"].split(".")[1]
+            left_ms, width_ms = self.bar(seg)
+            middle_ms = left_ms + width_ms / 2
+            text_ms = (len(label) * 0.62 * _LABEL_PT / 72 + 0.03) * self.ms_per_inch
+            if width_ms >= text_ms:
+                self.ax.text(middle_ms, top + _COMPUTE_H / 2, label, ha="center", va="center",
+                             fontsize=_LABEL_PT, color=_COMPUTE_STYLE[what][1])  # fmt: skip
+            elif middle_ms - text_ms / 2 > above_until_ms:
+                self.ax.text(middle_ms, top - 0.03, label, ha="center", va="bottom", fontsize=_LABEL_PT - 1,
+                             color="#404040")  # fmt: skip
+                above_until_ms = middle_ms + text_ms / 2
+
+    def comm(self, events: Sequence[dict], y: float) -> None:
+        """One collective kind's lane: each call from issue to completion (overlapping calls darken)."""
+        if events:
+            self.ax.broken_barh([self.bar(e) for e in events], (y + 0.06, _COMM_H - 0.12),
+                                color=_comm_color(events[0]["name"]), edgecolor="white", linewidth=0.4,
+                                alpha=0.85)  # fmt: skip
+
+
+def _comm_order(kind: str) -> tuple:
+    return (list(_COMM_COLORS).index(kind) if kind in _COMM_COLORS else len(_COMM_COLORS), kind)
+
+
+def _comm_color(kind: str) -> str:
+    return _COMM_COLORS.get(kind, "#7F7F7F")
+
+
+def _segment_style(seg: dict) -> str:
+    """The `_COMPUTE_STYLE` key of a compute segment ("blocks.3.backward" -> "backward", "root.forward" -> "root")."""
+    name = seg["name"]
+    if name.startswith("blocks."):
+        return name.rsplit(".", 1)[1]
+    return "optimizer" if name == "optimizer" else name.split(".", 1)[0]
+
+
+def _width(seg: dict) -> float:
+    return seg["end_s"] - seg["start_s"]
+
+
+def _measured_title(timeline: Sequence[dict], rank: int) -> str:
+    """The finding when the caller gives none: how long `rank` was blocked, of the time shown."""
+    from labkit.probes.timeline import exposed_comm_s
+
+    mine = [e for e in timeline if e["rank"] == rank]
+    if not mine:
+        return "Timeline per rank"
+    shown_s = max(e["end_s"] for e in mine) - min(e["start_s"] for e in mine)
+    return (f"Rank {rank} was blocked on collectives (red) for {exposed_comm_s(mine) * 1e3:.1f} ms "
+            f"of {shown_s * 1e3:.1f} ms")  # fmt: skip
 
 
 def traffic_bars(comms: Mapping[str, Mapping], *, expected: Mapping[str, float] | None = None,
