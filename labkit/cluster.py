@@ -33,16 +33,12 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from labkit import collectives
+
 DEFAULT_TIMEOUT_S = 120.0
 RANK_BYTES_ESTIMATE = 500 * 2**20  # resident memory of one idle rank with torch imported (bytes)
 RANKS_PER_CORE = 4  # CPU ranks per core `max_ranks` allows: the lab's ranks mostly wait on each other
 _STATUS_BYTES = 256  # size of each rank's "last collective" slot (bytes)
-_COLLECTIVES = (
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_single", "all_gather_into_tensor",
-    "all_gather_coalesced", "all_gather_object", "reduce_scatter", "reduce_scatter_single",
-    "reduce_scatter_tensor", "reduce", "broadcast", "broadcast_object_list", "scatter", "gather",
-    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
-)  # fmt: skip
 
 
 class LaunchError(RuntimeError):
@@ -413,7 +409,7 @@ def _track_collectives(path: str) -> None:
     def mark(text: str) -> None:
         slot[:] = text.encode()[:_STATUS_BYTES].ljust(_STATUS_BYTES)
 
-    def wrap(name: str, original: Callable) -> Callable:
+    def track(name: str, original: Callable) -> Callable:
         def tracked(*args, **kwargs):
             count[0] += 1
             mark(f"inside {name} (collective #{count[0]}, entered at t={time.monotonic() - start:.2f} s)")
@@ -421,19 +417,10 @@ def _track_collectives(path: str) -> None:
             mark(f"returned from {name} (collective #{count[0]}, its last)")
             return out
 
-        tracked.__wrapped__ = original
-        tracked.__name__ = name
-        tracked.__doc__ = original.__doc__
         return tracked
 
-    from torch.distributed import distributed_c10d
-
-    for name in _COLLECTIVES:
-        original = getattr(distributed_c10d, name, None)
-        if original is not None:
-            tracked = wrap(name, original)
-            setattr(distributed_c10d, name, tracked)
-            setattr(dist, name, tracked)
+    # Every call, inner ones too, for the rank's whole life: installed before the probes wrap over it.
+    collectives.Patch(collectives.COLLECTIVES, track).install()
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -451,12 +438,12 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+
 
 
 def _user_frame(stack_dump: str) -> str:
-    """Where the rank's main thread is: its innermost frame outside torch and labkit.cluster, and the
-    torch function it is inside when that is deeper (e.g. a rendezvous that never completes)."""
+    """Where the rank's main thread is: its innermost frame outside torch, labkit.cluster and the wrappers of
+    labkit.collectives, and the torch function it is inside when that is deeper (e.g. a stuck rendezvous)."""
     block = next((b for b in stack_dump.split("\n\n") if "_rank_main" in b), "")
     frames = list(_FRAME.finditer(block))  # most recent call first
     for i, m in enumerate(frames):
-        if f"{os.sep}torch{os.sep}" not in m["file"] and m["file"] != __file__:
+        if f"{os.sep}torch{os.sep}" not in m["file"] and m["file"] not in (__file__, collectives.__file__):
             inside = (
                 f" (inside torch's {frames[0]['func']})" if i > 0 and "torch" in frames[0]["file"] else ""
             )

@@ -3,6 +3,7 @@ odd sizes, subgroups), the emulated link and its overlap, the timeline, state by
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import pytest
@@ -99,6 +100,60 @@ def test_subgroup_calls_use_the_group_size_and_record_its_ranks():
     assert calls[3] == [(*pair_ag, (2, 3)), trio_ar]
 
 
+def _stacked_patches() -> dict:
+    """labkit.launch's hang tracker (installed in every rank), the probe over it, a grader's watcher on top."""
+    import os
+
+    from torch.distributed import distributed_c10d
+
+    from labkit.cluster import _read_status
+    from labkit.collectives import COLLECTIVES, Patch
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    tracker = dist.all_reduce
+    seen = []
+
+    def watch(name, fn):
+        def watched(*args, **kwargs):
+            seen.append(name)
+            return fn(*args, **kwargs)
+
+        return watched
+
+    probes = Probes(rank, torch.device("cpu"))
+    with probes:
+        probe = dist.all_reduce
+        with Patch(COLLECTIVES, watch, outermost=True):
+            top = dist.all_reduce
+            dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * n))  # torch runs reduce_scatter_single
+            dist.all_reduce(torch.ones(3))
+            try:
+                probes.comm.uninstall()  # out of order: the watcher still calls the probe
+                error = ""
+            except RuntimeError as e:
+                error = str(e)
+        probe_back_on_top = dist.all_reduce is probe and distributed_c10d.all_reduce is probe
+    status = _read_status(os.path.join(os.environ["LABKIT_LAUNCH_DIR"], f"status{rank}"))
+    return {"seen": seen, "probed": [c.function for c in probes.comm.calls], "error": error,
+            "stacked": top.__wrapped__ is probe and probe.__wrapped__ is tracker,
+            "restored": probe_back_on_top and dist.all_reduce is tracker is distributed_c10d.all_reduce,
+            "looks_like_torch": top.__name__ == "all_reduce" and top.__doc__ == tracker.__wrapped__.__doc__
+            and inspect.signature(top) == inspect.signature(tracker.__wrapped__),
+            "tracker_status": status}  # fmt: skip
+
+
+def test_patches_stack_tracker_then_probe_then_a_watcher_and_come_off_in_reverse_order():
+    for r in labkit.launch(_stacked_patches, 2):
+        assert r["stacked"] and r["restored"] and r["looks_like_torch"]
+        # the outermost patches see the call made, not the one torch makes inside it
+        assert r["seen"] == r["probed"] == ["reduce_scatter_tensor", "all_reduce"]
+        assert r["error"] == (
+            "torch.distributed.all_gather_single was wrapped again after this Patch and still is; "
+            "remove the later wrapper first"
+        )
+        assert r["tracker_status"].startswith("returned from all_reduce (collective #")  # it saw every call
+
+
 LINK_GBYTES = 0.01  # 1e7 B/s
 ELEMENTS = 250_000  # 1 MB of float32; on 2 ranks an all-reduce sends 2 x 1/2 x 1 MB = 1 MB: 0.1 s on the link
 
@@ -118,6 +173,7 @@ def _link() -> dict:
         out["is_work"] = isinstance(work, dist.Work)
         time.sleep(0.4)  # compute while the collective crosses the link
         work.wait()
+        out["delegated"] = work.exception() is None and work.result()[0].shape == (ELEMENTS,)  # inner Work
         probes.timeline.step = None
 
         dist.barrier()
@@ -143,7 +199,7 @@ def test_emulated_link_delays_collectives_and_an_overlapped_one_exposes_almost_n
         assert r["wire_bytes"] == ELEMENTS * F32
         assert r["sync_s"] >= link_s
         assert r["sync_exposed_s"] >= link_s
-        assert r["is_work"]  # FSDP2 waits only on isinstance(work, Work)
+        assert r["is_work"] and r["delegated"]  # FSDP2 waits only on isinstance(work, Work)
         assert r["overlapped_comm_s"][0] >= link_s  # in flight for at least the link time...
         assert r["overlapped_exposed_s"] < 0.5 * link_s  # ...but hidden behind the 0.4 s of compute
         first_s, both_s = r["fifo_s"]

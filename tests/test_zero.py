@@ -12,6 +12,7 @@ from torch import nn
 
 import labkit
 from labkit import budget
+from labkit.collectives import Patch
 from labkit.engines import scratch
 from labkit.engines.base import RunConfig
 from labkit.engines.loop import rank_info, run, train_steps
@@ -112,21 +113,20 @@ def _hook_trace(prefetch: bool):
     zero = ZeRO3(model, prefetch=prefetch, trace=trace)
     opt = ShardedAdamW(zero.shards())
     gathers = []
-    original = labkit.zero.comm.dist.all_gather_single
 
-    def spy(out, inp, group=None, async_op=False):
-        gathers.append(async_op)
-        return original(out, inp, group=group, async_op=async_op)
+    def spy(name, original):
+        def spied(out, inp, group=None, async_op=False):
+            gathers.append(async_op)
+            return original(out, inp, group=group, async_op=async_op)
 
-    labkit.zero.comm.dist.all_gather_single = spy
-    try:
+        return spied
+
+    with Patch(["all_gather_single"], spy):
         for step in range(2):
             tokens, targets = batch(step, "tiny", world_size=2, rank=dist.get_rank())
             loss_fn(model(tokens), targets).backward()
             zero.finish_backward()
             opt.step()
-    finally:
-        labkit.zero.comm.dist.all_gather_single = original
     return trace, gathers
 
 

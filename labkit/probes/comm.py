@@ -3,7 +3,9 @@
 Every engine issues its collectives through these Python functions, so one wrapper sees them all: FSDP2
 calls `all_gather_single` / `reduce_scatter_single`, DeepSpeed the deprecated `all_gather_into_tensor` /
 `reduce_scatter_tensor` (which torch 2.13 implements by calling the new names), DDP `all_reduce` from its
-comm hook. A thread-local depth guard counts only the outermost call, so a deprecated name is counted once.
+comm hook. The functions and what each one carries are `labkit.collectives.COLLECTIVES`; the wrappers are
+one `labkit.collectives.Patch` over whatever wraps them already, and it sees only the outermost call on a
+thread, so a deprecated name is counted once.
 
 What a call is charged (per rank):
 - `payload_bytes`: the full tensor of the collective: the gathered output of an all-gather, the
@@ -54,26 +56,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from labkit.budget import collective_wire_bytes
+from labkit.collectives import COLLECTIVES, COUNTED, Patch
 from labkit.probes.timeline import Timeline
-
-# function name -> (collective kind, the argument that holds the full payload)
-WRAPPED: dict[str, tuple[str, str]] = {
-    "all_gather_single": ("all_gather", "output_tensor"),
-    "all_gather_into_tensor": ("all_gather", "output_tensor"),
-    "_all_gather_base": ("all_gather", "output_tensor"),
-    "all_gather": ("all_gather", "tensor_list"),
-    "all_gather_coalesced": ("all_gather", "output_tensor_lists"),
-    "reduce_scatter_single": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "_reduce_scatter_base": ("reduce_scatter", "input"),
-    "reduce_scatter": ("reduce_scatter", "input_list"),
-    "all_reduce": ("all_reduce", "tensor"),
-    "all_reduce_coalesced": ("all_reduce", "tensors"),
-    "broadcast": ("broadcast", "tensor"),
-    "all_to_all_single": ("all_to_all", "input"),
-    "all_to_all": ("all_to_all", "input_tensor_list"),
-    "barrier": ("barrier", ""),
-}
 
 
 @dataclass
@@ -140,8 +124,7 @@ class CommProbe:
         self.calls: list[CollectiveCall] = []
         self.link: EmulatedLink | None = None
         self.emulate_link(link_gbytes)
-        self._saved: dict[str, tuple[Callable, Callable]] = {}
-        self._local = threading.local()
+        self._patch = Patch(COUNTED, self._wrap, outermost=True)
         self._groups: dict[Any, tuple[int, tuple[int, ...], int]] = {}
 
     def emulate_link(self, link_gbytes: float | None) -> None:
@@ -149,23 +132,13 @@ class CommProbe:
         self.link = None if link_gbytes is None else EmulatedLink(link_gbytes)
 
     def install(self) -> None:
-        """Wrap the collective functions of `torch.distributed` and `distributed_c10d` (both attributes)."""
-        for name, (kind, payload_arg) in WRAPPED.items():
-            current = getattr(distributed_c10d, name, None)
-            if current is None or name in self._saved:
-                continue
-            self._saved[name] = (current, getattr(dist, name, current))
-            wrapper = self._wrap(name, kind, payload_arg, current)
-            setattr(distributed_c10d, name, wrapper)
-            if hasattr(dist, name):
-                setattr(dist, name, wrapper)
+        """Wrap the collectives it charges (`labkit.collectives.COUNTED`), over whatever wraps them now."""
+        if not self._patch.installed:
+            self._patch.install()
 
     def uninstall(self) -> None:
-        for name, (c10d_fn, dist_fn) in self._saved.items():
-            setattr(distributed_c10d, name, c10d_fn)
-            if hasattr(dist, name):
-                setattr(dist, name, dist_fn)
-        self._saved.clear()
+        if self._patch.installed:
+            self._patch.remove()
 
     def summary(self, step: int | None = None) -> dict[str, dict[str, int]]:
         """{kind: {"calls", "payload_bytes", "wire_bytes"}} over the calls of `step` (all calls if None)."""
@@ -192,14 +165,14 @@ class CommProbe:
 
     # ------------------------------------------------------------------------------------------ wrapper
 
-    def _wrap(self, name: str, kind: str, payload_arg: str, original: Callable) -> Callable:
+    def _wrap(self, name: str, original: Callable) -> Callable:
+        """The probed version of collective `name`; the Patch calls it for outermost calls only."""
+        kind, payload_arg, _ = COLLECTIVES[name]
         parameters = inspect.signature(original).parameters
         names = list(parameters)
         defaults = {k: p.default for k, p in parameters.items() if p.default is not inspect.Parameter.empty}
 
         def probed(*args, **kwargs):
-            if getattr(self._local, "depth", 0):
-                return original(*args, **kwargs)  # an inner call of a counted one (an old name -> a new one)
             arguments = {**defaults, **dict(zip(names, args, strict=False)), **kwargs}  # inspect.bind is slow
             call = self._describe(name, kind, payload_arg, arguments)
             if call is None:  # this rank is not in the group: torch warns and does nothing
@@ -207,11 +180,7 @@ class CommProbe:
             self.calls.append(call)
             queued = call.async_op and _coalescing(arguments.get("group"))
             issue_s = time.perf_counter()
-            self._local.depth = 1
-            try:
-                out = original(*args, **kwargs)
-            finally:
-                self._local.depth = 0
+            out = original(*args, **kwargs)
             if queued:  # inside a coalescing manager the op runs at the manager's exit: bytes only
                 return out
             if call.async_op and out is not None:
@@ -227,9 +196,6 @@ class CommProbe:
             self.timeline.add_abs("wait", kind, issue_s, end_s)
             return out
 
-        probed.__wrapped__ = original
-        probed.__name__ = name
-        probed.__doc__ = original.__doc__
         return probed
 
     def _describe(self, name: str, kind: str, payload_arg: str, arguments: dict) -> CollectiveCall | None:
@@ -258,12 +224,17 @@ class CommProbe:
         )
 
 
-class _ProbedWork(distributed_c10d.Work):
-    """The Work of an async collective, seen through the probe.
+_LINK_AWARE = frozenset({"wait", "get_future", "is_completed"})  # what _ProbedWork answers itself
 
-    It subclasses `Work` because callers test `isinstance(work, Work)` before waiting (FSDP2 does). The
-    "comm" event runs from issue to completion (the real op done and the emulated link through); each
-    `wait()` adds a "wait" event: the time the calling thread was blocked, link delay included.
+
+class _ProbedWork(distributed_c10d.Work):
+    """The Work of an async collective, seen through the probe: `wait`, `get_future` and `is_completed`
+    include the emulated link; every other public attribute is the real Work's.
+
+    It subclasses `Work` because callers test `isinstance(work, Work)` before waiting (FSDP2 does), and
+    torch's C++ side reaches a Python Work's `wait` and `get_future` through that base. The "comm" event
+    runs from issue to completion (the real op done and the emulated link through); each `wait()` adds a
+    "wait" event: the time the calling thread was blocked, link delay included.
     """
 
     def __init__(self, inner, timeline: Timeline, kind: str, issue_s: float, link_done_s: float | None):
@@ -282,6 +253,12 @@ class _ProbedWork(distributed_c10d.Work):
         self._future = future
         if future is not None:
             future.add_done_callback(lambda _: self._record_comm(time.perf_counter()))
+
+    def __getattribute__(self, name: str):
+        # `__getattr__` would not do: the base class has every Work method, answering for an empty Work.
+        if name.startswith("_") or name in _LINK_AWARE:
+            return object.__getattribute__(self, name)
+        return getattr(object.__getattribute__(self, "_inner"), name)
 
     def _record_comm(self, real_done_s: float) -> None:
         with self._lock:
@@ -315,21 +292,6 @@ class _ProbedWork(distributed_c10d.Work):
     def is_completed(self) -> bool:
         link_done = self._link_done_s is None or time.perf_counter() >= self._link_done_s
         return self._inner.is_completed() and link_done
-
-    def is_success(self) -> bool:
-        return self._inner.is_success()
-
-    def exception(self):
-        return self._inner.exception()
-
-    def result(self):
-        return self._inner.result()
-
-    def source_rank(self) -> int:
-        return self._inner.source_rank()
-
-    def synchronize(self) -> None:
-        self._inner.synchronize()
 
 
 def _nbytes(value) -> int:

@@ -12,8 +12,6 @@ from labkit.grading.checks import Check, Exercise, answer, rng, tally, tensor_js
 RANKS = 3
 LAUNCH_TIMEOUT_S = 60.0
 ATOL = 1e-5
-_REDUCE_SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
-_WATCHED = (*_REDUCE_SCATTERS, "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce")
 
 
 def _flat_numels(seed: int) -> list[int]:
@@ -64,9 +62,10 @@ def _rank(reduce_scatter_mean, pack_grads, seed: int) -> dict:
     """On each rank: the flat cases (recording which collectives the answer calls), then the packed ones."""
     import torch.distributed as dist
 
+    from labkit.collectives import COLLECTIVES, Patch
+
     rank, n = dist.get_rank(), dist.get_world_size()
     calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in _WATCHED if hasattr(dist, name)}
 
     def watch(name, fn):
         def watched(*args, **kwargs):
@@ -75,16 +74,11 @@ def _rank(reduce_scatter_mean, pack_grads, seed: int) -> dict:
 
         return watched
 
-    for name, fn in originals.items():
-        setattr(dist, name, watch(name, fn))
-    try:
+    with Patch(COLLECTIVES, watch, outermost=True):  # each call the answer makes, once
         flat = [
             tensor_json(reduce_scatter_mean(_grad(seed, rank, k, (m,)), n))
             for k, m in enumerate(_flat_numels(seed))
         ]
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     packed = []
     for s, shapes in enumerate(_shapes(seed)):
         grads = [_grad(seed, rank, 100 + 10 * s + k, shape) for k, shape in enumerate(shapes)]
@@ -136,9 +130,12 @@ def _calls_probe(ns: dict, seed: int) -> list:
 
 
 def _calls_judge(got: list, seed: int) -> tuple[float, str]:
+    from labkit.collectives import COLLECTIVES
+
     calls = [str(c) for c in got[0]]
-    scatters = [c for c in calls if c in _REDUCE_SCATTERS]
-    if len(scatters) == len(_flat_numels(seed)) and "all_reduce" not in calls:
+    kinds = [COLLECTIVES[c].kind if c in COLLECTIVES else c for c in calls]
+    scatters = [c for c, kind in zip(calls, kinds, strict=True) if kind == "reduce_scatter"]
+    if len(scatters) == len(_flat_numels(seed)) and "all_reduce" not in kinds:
         return 1.0, f"one {scatters[0]} per buffer and no all-reduce: (n-1)/n of the buffer on the wire"
     return 0.0, (
         f"saw {calls or 'no torch.distributed collective'}; want one dist.reduce_scatter_tensor per buffer "
