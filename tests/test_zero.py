@@ -27,6 +27,7 @@ from labkit.zero.sharding import (
     shard_dim0,
     unshard_dim0,
 )
+from labkit.zero.unit import ShardedState, ShardedUnit
 
 VARIANTS = [  # (prefetch, offload, reshard_after_forward)
     (True, "none", True),
@@ -148,6 +149,67 @@ def test_hooks_fire_in_order_and_prefetch_makes_gathers_async(prefetch):
     second = gathers[per_step:]
     # step 1 knows the order: every gather but the root's first one is a prefetch (async) iff enabled
     assert sum(second) == (2 * len(units) - 2 if prefetch else 0)
+
+
+def _unit_transitions() -> dict:
+    block = build_model("tiny_uneven").blocks[0]
+    weights = {name: p.detach().clone() for name, p in block.named_parameters()}
+    unit = ShardedUnit("blocks.0", block, list(block.named_parameters()), None, torch.float32)
+    gathers, states, errors = [], [unit.state], {}
+
+    def attempt(label: str, action) -> None:
+        try:
+            action()
+        except RuntimeError as e:
+            errors[label] = str(e)
+
+    def count(name, original):
+        def counted(*args, **kwargs):
+            gathers.append(name)
+            return original(*args, **kwargs)
+
+        return counted
+
+    with Patch(["all_gather_single"], count):
+        attempt("finish_gather while sharded", unit.finish_gather)
+        unit.start_gather(async_op=True)
+        unit.start_gather(async_op=True)  # a prefetch got there first: no second all-gather
+        states.append(unit.state)
+        attempt("free while gathering", unit.free)
+        unit.finish_gather()
+        unit.finish_gather()  # already unsharded: nothing to do
+        unit.start_gather(async_op=False)  # the weights were kept: nothing to do
+        states.append(unit.state)
+        gathered = all(torch.equal(p, weights[name]) for name, p in block.named_parameters())
+        unit.free()
+        unit.free()
+        states.append(unit.state)
+    attempt("finish_reduce_scatter before start", unit.finish_reduce_scatter)
+    unit.start_reduce_scatter(async_op=True)
+    attempt("start_reduce_scatter twice", lambda: unit.start_reduce_scatter(async_op=True))
+    unit.finish_reduce_scatter()
+    return {"states": states, "gathers": len(gathers), "gathered": gathered,
+            "errors": errors, "storage": [sp.full.untyped_storage().nbytes() for sp in unit.params]}  # fmt: skip
+
+
+def test_a_unit_moves_sharded_gathering_unsharded_and_an_illegal_transition_raises_a_sentence():
+    for r in labkit.launch(_unit_transitions, 2):
+        assert r["states"] == [ShardedState.SHARDED, ShardedState.GATHERING, ShardedState.UNSHARDED,
+                               ShardedState.SHARDED]  # fmt: skip
+        assert r["gathers"] == 1 and r["gathered"]
+        assert r["storage"] == [0] * len(r["storage"])  # freed: the full buffers hold no bytes
+        errors = r["errors"]
+        assert set(errors) == {"finish_gather while sharded", "free while gathering",
+                               "finish_reduce_scatter before start", "start_reduce_scatter twice"}  # fmt: skip
+        assert errors["finish_gather while sharded"] == (
+            "finish_gather() needs unit blocks.0 gathering, but it is sharded; call start_gather() first"
+        )
+        assert errors["free while gathering"] == (
+            "free() needs unit blocks.0 unsharded or sharded, but it is gathering; call finish_gather() first"
+        )
+        assert "call start_reduce_scatter() first" in errors["finish_reduce_scatter before start"]
+        assert "call finish_reduce_scatter() first" in errors["start_reduce_scatter twice"]
+        assert all(e.count(";") == 1 and "\n" not in e for e in errors.values())  # one sentence each
 
 
 # ------------------------------------------------------------------------------------------ state

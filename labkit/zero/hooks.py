@@ -62,7 +62,7 @@ class ZeRO3:
     def before_forward(self, unit: ShardedUnit) -> None:
         self._log("before_forward", unit)
         self.prefetcher.saw_forward(unit)
-        unit.start_gather(async_op=False)
+        unit.start_gather(async_op=False)  # nothing to do when a prefetch issued it already
         unit.finish_gather()
         if unit is self.root:
             self._grads_left = {u: len(u.params) for u in self.units}
@@ -81,6 +81,7 @@ class ZeRO3:
     def before_backward(self, unit: ShardedUnit) -> None:
         self._log("before_backward", unit)
         self.prefetcher.saw_backward(unit)
+        unit.start_gather(async_op=False)  # nothing to do when prefetched, or kept since forward
         unit.finish_gather()
         nxt = self.prefetcher.next_in_backward(unit)
         if nxt is not None:

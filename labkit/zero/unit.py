@@ -7,14 +7,24 @@ Each parameter keeps three things:
                 gathering resizes it back, so views autograd saved in forward stay valid for backward.
     shard.grad  this rank's rows of the mean gradient, float32: a view of the unit's `grad_shard`
 
+The weights move through three states (`ShardedState`), one method per arrow:
+
+    SHARDED --start_gather--> GATHERING --finish_gather--> UNSHARDED --free--> SHARDED
+
+A call whose work is done already, or under way, does nothing: `start_gather` while gathering (a prefetch
+issued it) or unsharded (the weights were kept after forward), `finish_gather` while unsharded, `free`
+while sharded. Any other call out of order raises a sentence that says which call comes first.
+
 Communication is coalesced per unit: the shards are copied into one send buffer, one all-gather fills a
 receive buffer laid out rank after rank, and each parameter's rows are copied out of it. The gradients go
-the other way through one reduce-scatter.
+the other way through one reduce-scatter, started and then finished once per step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum, auto
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +32,34 @@ from torch import nn
 
 from labkit.zero import comm
 from labkit.zero.sharding import dim0_rows, shard_dim0
+
+
+class ShardedState(Enum):
+    """Where a unit's weights are (FSDP2 names its parameters' states the same way, in `_fsdp_param.py`)."""
+
+    SHARDED = auto()
+    """Only the shards hold the weights: every full buffer's storage is 0 bytes. A unit's state between uses."""
+    GATHERING = auto()
+    """The all-gather is issued (asynchronously, when it is a prefetch) into a receive buffer; the full
+    buffers are still 0 bytes until `finish_gather` copies the rows into them."""
+    UNSHARDED = auto()
+    """The full buffers hold the gathered weights, so the module can compute with its parameters."""
+
+
+class PendingGather(NamedTuple):
+    """An all-gather issued but not yet copied out: its handle (None once a synchronous one has returned)
+    and its receive buffer (n x chunk elements, rank after rank)."""
+
+    work: dist.Work | None
+    recv: torch.Tensor
+
+
+class PendingReduceScatter(NamedTuple):
+    """A reduce-scatter issued but not yet waited for: its handle (None once a synchronous one has
+    returned) and its send buffer, which must stay alive until the collective completes."""
+
+    work: dist.Work | None
+    send: torch.Tensor
 
 
 @dataclass
@@ -66,44 +104,53 @@ class ShardedUnit:
         self.grad_shard = torch.zeros(offset, dtype=torch.float32, device=self.params[0].shard.device)
         for sp in self.params:
             sp.shard.grad = self.grad_shard[sp.offset : sp.offset + sp.shard_numel].view_as(sp.shard)
-        self.gathered = True  # the full buffers hold real weights until the first free()
-        self._gather_work = None
-        self._recv = None
-        self._scatter_work = None
-        self._scatter_send = None
+        self.state = ShardedState.UNSHARDED  # the full buffers hold real weights until the first free()
+        self._gather: PendingGather | None = None  # set exactly while GATHERING
+        self._reduce_scatter: PendingReduceScatter | None = None
         self.free()
 
     # -------------------------------------------------------------- all-gather: shards -> full weights
 
     def start_gather(self, async_op: bool) -> None:
-        """Issue the all-gather of this unit's weights (copy-in, then one collective)."""
-        if self.gathered or self._gather_work is not None:
-            return
+        """SHARDED -> GATHERING: issue the all-gather of this unit's weights (copy-in, then one collective)."""
+        if self.state is not ShardedState.SHARDED:
+            return  # already in flight (a prefetch), or the weights were kept
         send = torch.cat([sp.shard.reshape(-1) for sp in self.params]).to(self.dtype)
-        self._recv = torch.empty(self.world_size * self.chunk_numel, dtype=self.dtype, device=send.device)
-        work = comm.all_gather(self._recv, send, group=self.group, async_op=async_op)
-        self._gather_work = work if async_op else "done"
+        recv = torch.empty(self.world_size * self.chunk_numel, dtype=self.dtype, device=send.device)
+        work = comm.all_gather(recv, send, group=self.group, async_op=async_op)
+        self._gather = PendingGather(work, recv)
+        self.state = ShardedState.GATHERING
 
     def finish_gather(self) -> None:
-        """Wait for the all-gather and copy each parameter's rows out of the receive buffer."""
-        if self.gathered:
+        """GATHERING -> UNSHARDED: wait for the all-gather and copy each parameter's rows out of it."""
+        if self.state is ShardedState.UNSHARDED:
             return
-        if self._gather_work is None:
-            self.start_gather(async_op=False)
-        if self._gather_work != "done":
-            self._gather_work.wait()
-        by_rank = self._recv.view(self.world_size, self.chunk_numel)
+        self._assert_in_states("finish_gather()", ShardedState.GATHERING, hint="call start_gather() first")
+        work, recv = self._gather
+        if work is not None:
+            work.wait()
+        by_rank = recv.view(self.world_size, self.chunk_numel)
         for sp in self.params:
             sp.full.untyped_storage().resize_(sp.full.numel() * sp.full.element_size())
             sp.full.view(self.world_size, -1).copy_(by_rank[:, sp.offset : sp.offset + sp.shard_numel])
-        self._gather_work = self._recv = None
-        self.gathered = True
+        self._gather = None
+        self.state = ShardedState.UNSHARDED
 
     def free(self) -> None:
-        """Drop the full weights: each buffer's storage goes to 0 bytes, the shard stays."""
+        """UNSHARDED -> SHARDED: drop the full weights (each buffer's storage goes to 0 bytes); the shard stays."""
+        self._assert_in_states(
+            "free()", ShardedState.UNSHARDED, ShardedState.SHARDED, hint="call finish_gather() first"
+        )
         for sp in self.params:
             sp.full.untyped_storage().resize_(0)
-        self.gathered = False
+        self.state = ShardedState.SHARDED
+
+    def _assert_in_states(self, action: str, *states: ShardedState, hint: str) -> None:
+        if self.state not in states:
+            allowed = " or ".join(s.name.lower() for s in states)
+            raise RuntimeError(
+                f"{action} needs unit {self.name} {allowed}, but it is {self.state.name.lower()}; {hint}"
+            )
 
     # -------------------------------------------------------------- reduce-scatter: full grads -> shard
 
@@ -113,6 +160,11 @@ class ShardedUnit:
         The send buffer is laid out rank after rank, like the all-gather's receive buffer: rows
         [r*k, (r+1)*k) of every parameter's gradient (zero-padded to n*k rows) go into rank r's chunk.
         """
+        if self._reduce_scatter is not None:
+            raise RuntimeError(
+                f"start_reduce_scatter() on unit {self.name} while its last reduce-scatter is in flight; "
+                "call finish_reduce_scatter() first"
+            )
         n = self.world_size
         send = torch.empty(n, self.chunk_numel, dtype=torch.float32, device=self.params[0].shard.device)
         for sp in self.params:
@@ -125,17 +177,21 @@ class ShardedUnit:
                 grad = torch.cat([grad, grad.new_zeros(sp.full.shape[0] - sp.d0, *grad.shape[1:])])
             chunk.copy_(grad.reshape(n, -1))
             sp.param.grad = None
-        self._scatter_work = comm.reduce_scatter(self.grad_shard, send.view(-1), self.group, async_op)
-        self._scatter_send = send  # kept alive until the collective completes
+        work = comm.reduce_scatter(self.grad_shard, send.view(-1), self.group, async_op)
+        self._reduce_scatter = PendingReduceScatter(work, send)
 
     def finish_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter; the gradient shard then holds the sum, divided here into the mean."""
-        if self._scatter_send is None:
-            return
-        if self._scatter_work is not None:
-            self._scatter_work.wait()
+        if self._reduce_scatter is None:
+            raise RuntimeError(
+                f"finish_reduce_scatter() on unit {self.name}, which has no reduce-scatter in flight; "
+                "call start_reduce_scatter() first"
+            )
+        work, _send = self._reduce_scatter
+        if work is not None:
+            work.wait()
         self.grad_shard.div_(self.world_size)
-        self._scatter_work = self._scatter_send = None
+        self._reduce_scatter = None
 
     def shards(self) -> list[torch.Tensor]:
         return [sp.shard for sp in self.params]
