@@ -287,31 +287,34 @@ class _Lane:
         for seg in segments:
             by_style.setdefault(_segment_style(seg) if seg["kind"] == "compute" else "wait", []).append(seg)
         for what, segs in by_style.items():
-            edge = {"edgecolor": "white", "linewidth": 0.4} if what in ("forward", "backward") else {}
             self.ax.broken_barh([self.bar(s) for s in segs], (top, _COMPUTE_H), color=_COMPUTE_STYLE[what][0],
-                                **({"edgecolor": "none"} | edge))  # fmt: skip
-        self._unit_labels([s for what in ("forward", "backward") for s in by_style.get(what, [])], top)
+                                edgecolor="none")  # fmt: skip
+        self._units([s for what in ("forward", "backward") for s in by_style.get(what, [])], top)
         return set(by_style)
 
-    def _unit_labels(self, unit_segments: Sequence[dict], top: float) -> None:
-        """Fi / Bi on each unit span's widest piece: inside where it fits, else above if there is room."""
-        widest: dict[tuple, dict] = {}
+    def _units(self, unit_segments: Sequence[dict], top: float) -> None:
+        """A white tick where each unit starts, and its label (Fi / Bi): inside its widest piece where it
+        fits, else above the lane over a thin line spanning the unit, where there is room."""
+        pieces: dict[tuple, list[dict]] = {}
         for seg in unit_segments:
-            key = (seg["name"], seg["step"])
-            if key not in widest or _width(seg) > _width(widest[key]):
-                widest[key] = seg
-        above_until_ms = -1.0
-        for seg in sorted(widest.values(), key=lambda s: s["start_s"]):
-            what = _segment_style(seg)
-            label = ("F" if what == "forward" else "B") + seg["name"].split(".")[1]
-            left_ms, width_ms = self.bar(seg)
-            middle_ms = left_ms + width_ms / 2
+            pieces.setdefault((seg["name"], seg["step"]), []).append(seg)
+        above_until_ms = float("-inf")
+        for segs in sorted(pieces.values(), key=lambda p: p[0]["start_s"]):
+            what = _segment_style(segs[0])
+            label = ("F" if what == "forward" else "B") + segs[0]["name"].split(".")[1]
+            start_ms, _ = self.bar(segs[0])
+            end_ms = sum(self.bar(segs[-1]))
+            self.ax.vlines(start_ms, top, top + _COMPUTE_H, color="white", linewidth=0.8)
+            left_ms, width_ms = self.bar(max(segs, key=_width))
             text_ms = (len(label) * 0.62 * _LABEL_PT / 72 + 0.03) * self.ms_per_inch
             if width_ms >= text_ms:
-                self.ax.text(middle_ms, top + _COMPUTE_H / 2, label, ha="center", va="center",
+                self.ax.text(left_ms + width_ms / 2, top + _COMPUTE_H / 2, label, ha="center", va="center",
                              fontsize=_LABEL_PT, color=_COMPUTE_STYLE[what][1])  # fmt: skip
-            elif middle_ms - text_ms / 2 > above_until_ms:
-                self.ax.text(middle_ms, top - 0.03, label, ha="center", va="bottom", fontsize=_LABEL_PT - 1,
+                continue
+            middle_ms = (start_ms + end_ms) / 2
+            if middle_ms - text_ms / 2 > above_until_ms:
+                self.ax.hlines(top - 0.05, start_ms, end_ms, color="#404040", linewidth=0.6)
+                self.ax.text(middle_ms, top - 0.07, label, ha="center", va="bottom", fontsize=_LABEL_PT - 1,
                              color="#404040")  # fmt: skip
                 above_until_ms = middle_ms + text_ms / 2
 

@@ -95,10 +95,13 @@ def test_compute_segments_tile_the_step_without_overlap_and_merge_overlapping_wa
 
 def drawn_bars(fig: Figure, colour: str) -> list[tuple[float, float, float]]:
     """(x0, x1, y0) of every rectangle of that face colour that the figure's axes drew (ms, y units)."""
+    from matplotlib.collections import PolyCollection
     from matplotlib.colors import to_rgba
 
     out = []
     for coll in fig.axes[0].collections:
+        if not isinstance(coll, PolyCollection):
+            continue  # the unit ticks and label lines
         faces = coll.get_facecolors()
         for i, path in enumerate(coll.get_paths()):
             if tuple(faces[i % len(faces)][:3]) == to_rgba(colour)[:3]:
