@@ -234,3 +234,41 @@ def needs_offload(params: float, max_ranks: int, gpu_bytes: float, **plan_option
                 }
                 break
     return {"gpu_bytes_per_rank": full["gpu_bytes_per_rank"], "fits_without_offload": fits, "offload": remedy}
+
+
+# ------------------------------------------------------------------------------------------ one plan
+
+
+def _count(n: int) -> str:
+    """30000000000 -> '30B', 125000000 -> '125M'."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.4g}{suffix}"
+    return str(n)
+
+
+def plan_table(result: dict) -> str:
+    """A plan of `labkit.budget.plan` as the sectioned table `labkit budget` prints."""
+    head = (
+        f"{_count(result['params'])} params on {result['world_size']} ranks, {result['strategy']}"
+        + (
+            f" (groups of {result['group_size']} x {result['replica_groups']})"
+            if result["strategy"] == "hsdp"
+            else ""
+        )
+        + f", {result['precision']} ({result['bytes_per_param']:g} B/param); 1 GB = 1e9 B"
+        + (
+            "; memory as DeepSpeed's estimator counts it (18 B/param + largest layer)"
+            if result["accounting"] == "deepspeed"
+            else ""
+        )
+    )
+    rows = budget.summary_rows(result)
+    aligned = fixed_width([("", ""), *((f"  {q}", v) for _, q, v in rows)]).splitlines()[1:]
+    lines, section = [head], None
+    for (sec, _, _), line in zip(rows, aligned, strict=True):
+        if sec != section:
+            lines.append(f"\n{sec}")
+            section = sec
+        lines.append(line.rstrip())
+    return "\n".join(lines)

@@ -11,7 +11,7 @@ import json
 import re
 import sys
 
-from labkit import budget
+from labkit import budget, tables
 from labkit.cli import UsageError
 
 # The flags are made from labkit.budget.INPUTS: --NAME for each input (--no-NAME for a switch that is on by
@@ -66,41 +66,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _count(n: int) -> str:
-    """30000000000 -> '30B', 125000000 -> '125M'."""
-    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.4g}{suffix}"
-    return str(n)
-
-
-def format_table(result: dict) -> str:
-    """The human table `labkit budget` prints."""
-    head = (
-        f"{_count(result['params'])} params on {result['world_size']} ranks, {result['strategy']}"
-        + (
-            f" (groups of {result['group_size']} x {result['replica_groups']})"
-            if result["strategy"] == "hsdp"
-            else ""
-        )
-        + f", {result['precision']} ({result['bytes_per_param']:g} B/param); 1 GB = 1e9 B"
-        + (
-            "; memory as DeepSpeed's estimator counts it (18 B/param + largest layer)"
-            if result["accounting"] == "deepspeed"
-            else ""
-        )
-    )
-    rows = budget.summary_rows(result)
-    width = max(len(q) for _, q, _ in rows)
-    lines, section = [head], None
-    for sec, quantity, value in rows:
-        if sec != section:
-            lines.append(f"\n{sec}")
-            section = sec
-        lines.append(f"  {quantity:<{width}}  {value:>12}")
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
     """Compute the plan, print the table (unless JSON goes to stdout), write JSON if asked."""
     try:
@@ -112,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json == "-":
         sys.stdout.write(text + "\n")
         return 0
-    print(format_table(result))
+    print(tables.plan_table(result))
     if args.json:
         try:
             with open(args.json, "w") as f:

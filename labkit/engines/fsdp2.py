@@ -217,6 +217,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def device_mesh(device_type: str, world_size: int, shard_size: int | None = None) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D ("shard",) of every rank, or 2-D ("replicate", "shard") for HSDP.
+
+    `shard_size` ranks (consecutive) share each parameter's shards; None or `world_size` is full sharding.
+    """
+    shard = shard_size or world_size
+    if shard == world_size:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> Fsdp2Engine:
     """Shard `model` over a 1-D mesh of all ranks (gloo CPU mesh or NCCL GPU mesh), then build its AdamW.
 
@@ -225,13 +236,8 @@ def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> Fsdp2Engine:
     The optimizer is built after sharding, from the `Shard(0)` DTensors: while a group is unsharded,
     `model.parameters()` yields its full plain tensors, which FSDP2 frees after use.
     """
-    n, shard = rank_info.world_size, hsdp_shard_size(cfg, rank_info.world_size)
-    if shard == n:
-        mesh = init_device_mesh(rank_info.device.type, (n,), mesh_dim_names=("shard",))
-    else:
-        mesh = init_device_mesh(
-            rank_info.device.type, (n // shard, shard), mesh_dim_names=("replicate", "shard")
-        )
+    n = rank_info.world_size
+    mesh = device_mesh(rank_info.device.type, n, hsdp_shard_size(cfg, n))
     shard_model(model, cfg, mesh)
     assert_sharded(model, mesh)
     return Fsdp2Engine(model, adamw(model.parameters(), cfg), rank_info.device)

@@ -44,7 +44,7 @@ from labkit.probes import Probes
 def shard_mesh() -> DeviceMesh:
     """The 1-D mesh of every rank, named "shard", on this rank's device type (what `fsdp2.build` shards over)."""
     info = rank_info()
-    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
+    return fsdp2.device_mesh(info.device.type, info.world_size)
 
 
 def build_engine(cfg: RunConfig, mesh: DeviceMesh | None = None) -> fsdp2.Fsdp2Engine:
@@ -65,9 +65,7 @@ def hsdp(cfg: RunConfig, replicas: int = 2) -> dict[str, Any]:
     bytes} of the last step, by group size (the loss all-reduce after each step is not counted).
     """
     info = rank_info()
-    mesh = init_device_mesh(
-        info.device.type, (replicas, info.world_size // replicas), mesh_dim_names=("replicate", "shard")
-    )
+    mesh = fsdp2.device_mesh(info.device.type, info.world_size, info.world_size // replicas)
     engine = build_engine(cfg, mesh)
     with Probes(info.rank, info.device) as probes:
         losses = train_steps(engine, cfg, probes=probes)
