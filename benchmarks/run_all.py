@@ -75,19 +75,10 @@ def exposed_comm(cfg: RunConfig, reps: int, comm_to_compute: float = 0.5) -> dic
 
 
 def exposed_floor_ratio(model_name: str) -> float:
-    """The least exposed/unprefetched comm ratio the scratch engine's unit plan allows (any link speed).
-
-    Without prefetch every collective is waited for: all the comm is exposed. With it, some cannot hide
-    behind any compute: the root's three collectives (gathered first in forward and in backward, its
-    gradients reduced last), the first block's forward gather and its reduce-scatter (nothing runs between
-    the embedding and block 0, nor after block 0's backward), and the last block's backward gather (only
-    the head's backward runs before it). Every collective moves bytes in proportion to its unit's
-    parameters, so the floor is that share of 3 x all parameters.
-    """
+    """The least exposed/unprefetched comm ratio the scratch engine's unit plan allows (any link speed)."""
     model = build_model(model_name)
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    root = count_params(model) - sum(blocks)
-    return (3 * root + 2 * blocks[0] + blocks[-1]) / (3 * (root + sum(blocks)))
+    blocks = [count_params(b) for b in model.blocks]
+    return budget.unhidden_comm_share(count_params(model) - sum(blocks), blocks)
 
 
 def _probed_and_bare_steps(cfg: RunConfig, pairs: int) -> dict[str, list[float]]:
