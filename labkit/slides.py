@@ -99,7 +99,6 @@ def static_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 def slides_html(nb: nbformat.NotebookNode, reveal_url_prefix: str = LOCAL_REVEAL_PREFIX) -> str:
     """One notebook as a reveal.js deck (HTML text), `notebook-only` cells dropped, widgets shown static."""
     from nbconvert import SlidesExporter
-    from nbconvert.preprocessors import TagRemovePreprocessor
     from traitlets.config import Config
 
     config = Config()
@@ -109,8 +108,9 @@ def slides_html(nb: nbformat.NotebookNode, reveal_url_prefix: str = LOCAL_REVEAL
     exporter = SlidesExporter(
         config=config, template_name=TEMPLATE_NAME, extra_template_basedirs=[str(TEMPLATE_DIR)]
     )
-    exporter.register_preprocessor(TagRemovePreprocessor(remove_cell_tags={DROP_TAG}), enabled=True)
-    body, _ = exporter.from_notebook_node(static_outputs(nb))
+    # Dropped before the exporter reads the slide boundaries: a dropped cell must not open or end a slide.
+    kept = [c for c in nb.cells if DROP_TAG not in c.metadata.get("tags", [])]
+    body, _ = exporter.from_notebook_node(static_outputs(nbformat.from_dict({**nb, "cells": kept})))
     return body
 
 

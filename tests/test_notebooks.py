@@ -338,3 +338,25 @@ def test_cheat_sheet_finds_its_figure_in_the_executed_notebook(executed, name):
     source = (DEFAULT_CHEATSHEETS_DIR / name.replace(".ipynb", ".md")).read_text()
     printed = figure_line(source, executed(name))
     assert printed is not None, f"{name} no longer prints the line its cheat sheet quotes"
+
+
+def test_a_dropped_cell_before_a_slide_opens_no_slide_of_its_own():
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+    from labkit.slides import slides_html
+
+    def cell(make, text, kind, tags=()):
+        c = make(text)
+        c.metadata = {"slideshow": {"slide_type": kind}, "tags": list(tags)}
+        return c
+
+    nb = new_notebook(
+        cells=[
+            cell(new_markdown_cell, "# one", "slide"),
+            cell(new_code_cell, "x = 1", "-"),
+            cell(new_code_cell, "slider()", "subslide", ["notebook-only"]),
+            cell(new_markdown_cell, "# two", "slide"),
+        ]
+    )
+    assert _expected_sections(nb) == (2, 2)
+    assert _count_sections(slides_html(nb)) == (2, 2)
