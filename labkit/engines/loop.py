@@ -112,6 +112,8 @@ def validate(engines: Sequence[str], cfg: RunConfig) -> None:
         raise ValueError(
             f"link_gbytes={cfg.link_gbytes!r}: pass a bandwidth above 0 GB/s, or None for no link"
         )
+    if "fsdp1" in engines:  # FSDP1's own refusals (host offload on CPU, hpZ, ...) as one sentence here
+        importlib.import_module(engine_module_name("fsdp1")).check_run(cfg)
 
 
 # ------------------------------------------------------------------------------------------------ rank
