@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-ENGINES = ("single", "ddp", "scratch", "fsdp2", "deepspeed")
+ENGINES = ("single", "ddp", "scratch", "fsdp1", "fsdp2", "deepspeed")
 
 
 @dataclass(frozen=True)
