@@ -4,11 +4,16 @@ function below runs several cases."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+import nbformat
 import pytest
+import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.build import Learner, Pieces, attach
+from labkit.build import Learner, Pieces, attach, checks, reference
 from labkit.build.reference import PIECES
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
@@ -16,6 +21,19 @@ from labkit.engines.single import SingleEngine
 from labkit.model import batch, build_model
 
 MODEL = "tiny_uneven"
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02_zero3_from_scratch.ipynb"
+
+
+def _tagged(tag: str) -> list:
+    return [c for c in nbformat.read(NOTEBOOK, as_version=4).cells if tag in c.metadata.get("tags", [])]
+
+
+def _notebook_pieces() -> Pieces:
+    """The pieces the notebook's `build` cells define, executed in order in one namespace."""
+    namespace: dict = {"__name__": "notebook_02"}
+    for cell in _tagged("build"):
+        exec(compile(cell.source, "notebook 02 build cell", "exec"), namespace)
+    return Pieces(*(namespace[f.name] for f in dataclasses.fields(Pieces)))
 
 
 def _train_both(pieces: Pieces, steps: int = 3) -> dict:
@@ -44,11 +62,23 @@ def _train_both(pieces: Pieces, steps: int = 3) -> dict:
 
 @pytest.fixture(scope="module")
 def reference_runs():
-    return {n: labkit.launch(_train_both, n, PIECES)[0] for n in (2, 3)}
+    pieces = _notebook_pieces()
+    return {n: labkit.launch(_train_both, n, pieces)[0] for n in (2, 3)}
+
+
+def test_notebook_build_cells_are_the_reference_pieces():
+    cells = _tagged("build")
+    assert len(cells) >= 4
+    assert [c.source.strip() for c in cells] == [s.strip() for s in reference.build_cells().values()]
+    lines = sum(len([x for x in c.source.splitlines() if x.strip()]) for c in cells)
+    assert 40 <= lines <= 100, lines
+    stubs = [c for c in _tagged("notebook-only") if c.source.startswith("mine = False")]
+    assert len(stubs) >= len(cells)  # a try-it-yourself variant under each step
+    assert len(_tagged("predict")) >= 2
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_reference_pieces_train_like_single(reference_runs, n):
+def test_notebook_pieces_train_like_single(reference_runs, n):
     run = reference_runs[n]
     worst = max(abs(a - b) / b for a, b in zip(run["losses"], run["single"], strict=True))
     assert worst < 1e-4, run
@@ -87,3 +117,117 @@ def test_attach_needs_shard_and_the_loop_takes_a_learner_object():
     loop.validate([Learner(PIECES)], RunConfig(model=MODEL, world_size=3))
     with pytest.raises(ValueError, match="build"):
         loop.validate([object()], RunConfig(model=MODEL, world_size=3))
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+def _after_grad(op=dist.ReduceOp.SUM, divide=True, drop_grad=True, free=True):
+    """The reference after_grad with one thing changed."""
+
+    def after_grad(unit):
+        for p, s in zip(unit.params, unit.shards, strict=True):
+            padded = p.grad.new_zeros((unit.n * s.shape[0], *s.shape[1:]))
+            padded[: p.grad.shape[0]] = p.grad
+            summed = torch.empty_like(s)
+            dist.reduce_scatter_single(summed, padded, op=op, group=unit.group)
+            s.grad = summed / unit.n if divide else summed
+            if drop_grad:
+                p.grad = None
+            if free:
+                reference.free(p)
+
+    return after_grad
+
+
+def _swap_free(unit):  # frees by giving each parameter a new empty tensor
+    for p in unit.params:
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def _gather_into_new_tensor(unit):
+    for p, s, d0 in zip(unit.params, unit.shards, unit.d0, strict=True):
+        p.data = reference.gather(s, d0, unit.group)
+
+
+def _lab_adamw(params):
+    lab = RunConfig()
+    return torch.optim.AdamW(params, lr=lab.lr, betas=lab.betas, eps=lab.eps, weight_decay=lab.weight_decay)
+
+
+def _stub_shard(full, rank, n):
+    raise NotImplementedError("write shard")
+
+
+P = PIECES
+PLANTED = {  # name: (step, pieces, words the sentence must contain)
+    "no padding": ("shard", dataclasses.replace(P, shard=lambda full, r, n: full.tensor_split(n)[r].clone()),
+                   ["rank 2 of 3 has 33 rows of the 101-row tok.weight", "ceil(101/3) = 34", "zero-padded"]),
+    "stub": ("shard", dataclasses.replace(P, shard=_stub_shard), ["NotImplementedError: write shard"]),
+    "gather keeps padding": ("gather", dataclasses.replace(P, gather=lambda s, d0, group=None: reference.gather(
+        s, s.shape[0] * dist.get_world_size(group), group)), ["102 rows of tok.weight", "first d0 = 101"]),
+    "missing free": ("forward", dataclasses.replace(P, after_forward=lambda unit: None),
+                     ["after forward root, blocks.0, blocks.1 and blocks.2 still hold", "free them in after_forward"]),
+    "free by .data": ("forward", dataclasses.replace(P, after_forward=_swap_free),
+                      ["autograd still holds the full weights of blocks.0", "replacing p.data", "resize_(0)"]),
+    "hooks swapped": ("forward", dataclasses.replace(P, before_forward=P.after_forward, after_forward=P.before_forward),
+                      ["the forward of root found no weights", "before_forward must gather"]),
+    "no backward gather": ("backward", dataclasses.replace(P, before_backward=lambda unit: None),
+                           ["the backward of root found its weights freed", "gather them again in before_backward"]),
+    "backward gather into a new tensor": ("backward", dataclasses.replace(P, before_backward=_gather_into_new_tensor),
+                                          ["before_backward gave root's parameters new tensors", "into the same storage"]),
+    "mean instead of a sum": ("reduce_scatter", dataclasses.replace(P, after_grad=_after_grad(dist.ReduceOp.AVG)),
+                              ["1/3 of single's", "mean was taken twice"]),
+    "not divided by n": ("reduce_scatter", dataclasses.replace(P, after_grad=_after_grad(divide=False)),
+                         ["3 x single's", "divide by n"]),
+    "full grads kept": ("reduce_scatter", dataclasses.replace(P, after_grad=_after_grad(drop_grad=False)),
+                        ["full gradients are still there", "p.grad = None"]),
+    "weights kept after grad": ("reduce_scatter", dataclasses.replace(P, after_grad=_after_grad(free=False)),
+                                ["still hold full weights", "free them in after_grad"]),
+    "AdamW on copies": ("adamw", dataclasses.replace(P, make_optimizer=lambda shards: _lab_adamw(
+        [s.detach().clone() for s in shards])), ["41 tensors that are not this rank's shards"]),
+    "AdamW defaults": ("adamw", dataclasses.replace(P, make_optimizer=lambda shards: torch.optim.AdamW(shards)),
+                       ["betas=(0.9, 0.999), weight_decay=0.01", "not the lab's betas=(0.9, 0.95), weight_decay=0.1"]),
+    "SGD": ("adamw", dataclasses.replace(P, make_optimizer=lambda shards: torch.optim.SGD(shards, lr=1e-3)),
+            ["the optimizer is SGD, not AdamW"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checked():
+    """Every step's check on the reference pieces, then every planted mistake: one launch of 3 ranks."""
+    cases = [(step, PIECES) for step in checks.STEPS] + [(step, p) for step, p, _ in PLANTED.values()]
+    results = checks.run_checks(cases, world_size=3, model=MODEL, quiet=True)
+    good = dict(zip(checks.STEPS, results[: len(checks.STEPS)], strict=True))
+    return good, dict(zip(PLANTED, results[len(checks.STEPS) :], strict=True))
+
+
+@pytest.mark.parametrize("step", checks.STEPS)
+def test_each_check_passes_the_reference_with_its_figures(checked, step):
+    result = checked[0][step]
+    assert result.ok, result.sentence
+    if step in ("gather", "forward", "backward", "reduce_scatter"):
+        assert "to the byte" in result.sentence
+        assert result.figures["wire_bytes"] == result.figures["formula_bytes"] > 0
+    if step == "adamw":
+        assert result.figures["loss_rel"] < 1e-4 and "over 3 steps" in result.sentence
+        ratio = result.figures["single_state_bytes"] / result.figures["state_bytes"]
+        assert 2.5 < ratio < 3  # 1/n of single's, plus the padding
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_a_planted_mistake_is_named_by_its_steps_check(checked, name):
+    step, _, words = PLANTED[name]
+    result = checked[1][name]
+    assert not result.ok and result.step == step
+    for w in words:
+        assert w in result.sentence, result.sentence
+    assert "\n" not in result.sentence  # one sentence, not a traceback
+
+
+def test_a_step_not_written_yet_says_so_without_a_launch(capsys):
+    result = checks.check_backward(dataclasses.replace(PIECES, before_backward=None))
+    assert not result.ok and "before_backward not written yet" in result.sentence
+    assert capsys.readouterr().out.strip() == str(result)
+    with pytest.raises(ValueError, match="unknown build step"):
+        checks.run_checks([("sharding", PIECES)])

@@ -2,6 +2,7 @@
 
     scaffold.py   Unit, Pieces, attach (the four moments as real hooks), Learner (an engine for the loop)
     checks.py     one check per build step, on real ranks, against the single-process oracle
+    verdicts.py   from what the ranks measured to the sentence: what is right, or the mistake it names
     reference.py  the filled pieces: notebook 02's `build` cells, verbatim
 
 labkit.zero (the lab's own ZeRO-3) never imports this package.

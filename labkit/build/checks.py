@@ -1,0 +1,396 @@
+"""One live check per step of the build-along, on real ranks, against the single-process oracle.
+
+Each `check_*` launches `world_size` ranks, runs the learner's pieces there under the lab's probes, and
+prints one sentence: what was verified, with the measured figures, or the mistake it found. It returns
+a `CheckResult` and never raises at the learner (a crash in their code is reported as a sentence). The
+oracle is `single` (the same model, seed and global batch on one process, `labkit.engines.single`); the
+bytes are the comm probe's, against `labkit.budget.collective_wire_bytes` of the padded sizes.
+`run_checks` runs several (step, pieces) cases in one launch (the tests do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+import torch._dynamo  # noqa: F401 - see below
+import torch.distributed as dist
+
+import labkit
+from labkit.build.scaffold import Learner, Pieces, attach
+from labkit.build.verdicts import CheckResult, verdict
+from labkit.engines import loop
+from labkit.engines.base import RunConfig
+from labkit.engines.single import SingleEngine
+from labkit.model import batch, build_model, loss_fn
+from labkit.probes import Probes, state_bytes
+from labkit.zero.sharding import shard_dim0
+
+# `import torch._dynamo` above: torch.optim's first optimizer imports it (seconds). Imported once here, in
+# the parent, it is inherited by every forked rank of every check instead of imported by each.
+
+TIMEOUT_S = 120.0
+STEPS = ("shard", "gather", "forward", "backward", "reduce_scatter", "adamw")
+NEEDS = {  # the pieces each step's check runs
+    "shard": ("shard",),
+    "gather": ("gather",),
+    "forward": ("shard", "before_forward", "after_forward"),
+    "backward": ("shard", "before_forward", "after_forward", "before_backward"),
+    "reduce_scatter": ("shard", "before_forward", "after_forward", "before_backward", "after_grad"),
+    "adamw": ("shard", "before_forward", "after_forward", "before_backward", "after_grad", "make_optimizer"),
+}
+
+
+# ------------------------------------------------------------------------------------------------ public
+
+
+def check_shard(shard: Callable, world_size: int = 3, model: str = "tiny_uneven") -> CheckResult:
+    """Every rank shards every parameter of `model`: ceil(d0/n) rows, zero-padded, the full tensor's rows."""
+    return _one("shard", Pieces(shard=shard), world_size, model)
+
+
+def check_gather(gather: Callable, world_size: int = 3, model: str = "tiny_uneven") -> CheckResult:
+    """Every rank gathers every parameter from correct shards: the full tensor, and (n-1)/n of its padded bytes."""
+    return _one("gather", Pieces(gather=gather), world_size, model)
+
+
+def check_forward(pieces: Pieces, world_size: int = 3, model: str = "tiny_uneven") -> CheckResult:
+    """One forward: the loss is single's, each unit gathered only while it computes and freed after."""
+    return _one("forward", pieces, world_size, model)
+
+
+def check_backward(pieces: Pieces, world_size: int = 3, model: str = "tiny_uneven") -> CheckResult:
+    """Forward and backward (full gradients kept): the mean gradient is single's, each unit gathered twice."""
+    return _one("backward", pieces, world_size, model)
+
+
+def check_reduce_scatter(pieces: Pieces, world_size: int = 3, model: str = "tiny_uneven") -> CheckResult:
+    """After backward each shard's grad is its rows of single's gradient; the full grads and weights are gone."""
+    return _one("reduce_scatter", pieces, world_size, model)
+
+
+def check_adamw(
+    pieces: Pieces, world_size: int = 3, model: str = "tiny_uneven", steps: int = 3
+) -> CheckResult:
+    """`steps` training steps: the losses are single's, and AdamW holds only this rank's shards."""
+    return _one("adamw", pieces, world_size, model, steps)
+
+
+def run_checks(
+    cases: Sequence[tuple[str, Pieces]],
+    world_size: int = 3,
+    model: str = "tiny_uneven",
+    steps: int = 3,
+    quiet: bool = False,
+) -> list[CheckResult]:
+    """Several (step, pieces) checks in ONE launch, in order; each result printed unless `quiet`."""
+    results: list[CheckResult | None] = [None] * len(cases)
+    runnable = []
+    for i, (step, pieces) in enumerate(cases):
+        if step not in STEPS:
+            raise ValueError(f"unknown build step {step!r}; choose one of {', '.join(STEPS)}")
+        missing = [name for name in NEEDS[step] if getattr(pieces, name) is None]
+        if missing:
+            results[i] = CheckResult(
+                step,
+                False,
+                f"{' and '.join(missing)} not written yet (None): write "
+                f"{'it' if len(missing) == 1 else 'them'}, then run this check again",
+            )
+        else:
+            runnable.append(i)
+    if runnable:
+        try:
+            ranks = labkit.launch(
+                _rank_cases, world_size, [cases[i] for i in runnable], model, steps, timeout=TIMEOUT_S
+            )
+        except labkit.LaunchError as e:
+            sentence = f"the ranks failed before reporting ({str(e).splitlines()[0]})"
+            ranks = None
+        for j, i in enumerate(runnable):
+            step = cases[i][0]
+            if ranks is None:
+                results[i] = CheckResult(step, False, sentence)
+            else:
+                results[i] = verdict(step, [r[j] for r in ranks], model, world_size, steps)
+    if not quiet:
+        for result in results:
+            print(result)
+    return results
+
+
+def _one(step: str, pieces: Pieces, world_size: int, model: str, steps: int = 3) -> CheckResult:
+    return run_checks([(step, pieces)], world_size, model, steps)[0]
+
+
+# ------------------------------------------------------------------------------------------------ ranks
+
+
+def _rank_cases(cases, model: str, steps: int) -> list[dict]:
+    """Rank side of `run_checks`: each case's measurements on this rank (or the error the learner's code raised)."""
+    out = []
+    for step, pieces in cases:
+        try:
+            out.append(_RANK[step](pieces, model, steps))
+        except _LearnerError as e:
+            out.append({"error": e.text, "where": e.where, "line": e.line, "held": e.held})
+    return out
+
+
+class _LearnerError(Exception):
+    def __init__(self, where: str, exc: BaseException, trace: list | None = None):
+        super().__init__(where)
+        self.where = where
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_learners(f.filename)]
+        self.line = f"line {frames[-1].lineno}: {frames[-1].line}" if frames else ""
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        if len(message) > 100:  # torch's shape messages: keep the head and the verdict at the end
+            message = f"{message[:50].rstrip()} ... {message[-45:].lstrip()}"
+        self.text = f"{type(exc).__name__}: {message}"
+        self.held: dict[str, int] = {}  # bytes of full weights each unit held when it was raised
+        if trace:
+            self.where = f"{where}, after {trace[-1][0]}({trace[-1][1]})"
+
+
+def _is_learners(filename: str) -> bool:
+    """A frame of the learner's code: not torch's, not labkit's (but the reference pieces are theirs)."""
+    theirs = filename.endswith("reference.py") or not filename.startswith(_LIBRARY_DIRS)
+    return theirs and not filename.startswith("<frozen")
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) for m in (torch, labkit))
+
+
+def _learner(where: str, fn: Callable, *args, trace: list | None = None):
+    """Call the learner's code; an exception becomes a _LearnerError saying where it happened."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - any mistake of theirs is reported, not raised
+        raise _LearnerError(where, e, trace) from e
+
+
+def _setup(model: str):
+    info = loop.rank_info()
+    return info, dist.get_rank(), dist.get_world_size(), build_model(model).to(info.device)
+
+
+def _rank_shard(pieces: Pieces, model: str, steps: int) -> dict:
+    info, rank, n, net = _setup(model)
+    rows = []
+    for name, p in net.named_parameters():
+        full = p.detach().clone()
+        s = _learner(f"shard({name})", pieces.shard, full, rank, n)
+        if not isinstance(s, torch.Tensor):
+            rows.append({"name": name, "type": type(s).__name__})
+            continue
+        want = shard_dim0(full.float(), rank, n)
+        real = max(0, min(want.shape[0], full.shape[0] - rank * want.shape[0]))
+        same_shape = tuple(s.shape) == tuple(want.shape)
+        rows.append(
+            {
+                "name": name,
+                "shape": tuple(s.shape),
+                "want": tuple(want.shape),
+                "dtype": str(s.dtype),
+                "view": s.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() and s.numel() > 0,
+                "rows_equal": same_shape and torch.equal(s[:real].float(), want[:real]),
+                "padding_zero": same_shape and not s[real:].any().item(),
+            }
+        )
+    return {"params": rows}
+
+
+def _rank_gather(pieces: Pieces, model: str, steps: int) -> dict:
+    info, rank, n, net = _setup(model)
+    rows = []
+    with Probes(rank, info.device) as probes, probes.step(0):
+        for name, p in net.named_parameters():
+            full = p.detach().float()
+            out = _learner(f"gather({name})", pieces.gather, shard_dim0(full, rank, n), full.shape[0], None)
+            ok_shape = isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(full.shape)
+            rows.append(
+                {
+                    "name": name,
+                    "shape": tuple(out.shape) if isinstance(out, torch.Tensor) else None,
+                    "want": tuple(full.shape),
+                    "equal": ok_shape and torch.equal(out.float(), full),
+                }
+            )
+    return {"params": rows, "comm": probes.comm.summary(0)}
+
+
+def _held_bytes(unit) -> int:
+    """Bytes of full weights a unit holds now (a freed parameter's storage has 0 bytes)."""
+    return sum(p.untyped_storage().nbytes() for p in unit.params)
+
+
+def _rank_forward(pieces: Pieces, model: str, steps: int) -> dict:
+    info, rank, n, net = _setup(model)
+    oracle = build_model(model).to(info.device)
+    tokens, targets = (t.to(info.device) for t in batch(0, model, 0, n, rank))
+    trace: list = []
+    units = _learner("attach (your shard)", attach, net, pieces, None, trace)
+    others_held: dict[str, dict[str, int]] = {}
+    computing: dict[int, str] = {}  # storage address of a weight whose unit computes now -> the unit
+
+    def at_compute(unit):
+        others_held[unit.name] = {
+            u.name: _held_bytes(u) for u in units if u is not unit and u.name != "root" and _held_bytes(u)
+        }
+        computing.update({p.untyped_storage().data_ptr(): unit.name for p in unit.params if p.numel()})
+
+    def computed(unit):
+        for address in [a for a, u in computing.items() if u == unit.name]:
+            del computing[address]
+
+    for unit in units:  # registered after attach's: they run once the learner's moment is done
+        unit.module.register_forward_pre_hook(lambda _m, _a, unit=unit: at_compute(unit))
+        unit.module.register_forward_hook(lambda _m, _a, _o, unit=unit: computed(unit))
+    saved: list[tuple[weakref.ref, str]] = []  # what autograd saved from a computing unit's weights
+
+    def pack(t):
+        unit = computing.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        if unit is not None:
+            saved.append((weakref.ref(t), unit))
+        return t
+
+    with Probes(rank, info.device) as probes, probes.step(0):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = _learner("forward", lambda: loss_fn(net(tokens), targets), trace=trace)
+    pinned: dict[str, int] = {}  # bytes of those still alive after forward (the same storage once)
+    seen = set()
+    for ref, unit in saved:
+        t = ref()
+        if t is not None and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            pinned[unit] = pinned.get(unit, 0) + t.untyped_storage().nbytes()
+    return {
+        "loss": loss.item(),
+        "single": loss_fn(oracle(tokens), targets).item(),
+        "trace": trace,
+        "held": {u.name: _held_bytes(u) for u in units},
+        "others_held": others_held,
+        "pinned": pinned,
+        "comm": probes.comm.summary(0),
+    }
+
+
+def _oracle_grads(model: str, device) -> dict[str, torch.Tensor]:
+    """single's gradients of step 0: the full model on the global batch."""
+    oracle = build_model(model).to(device)
+    tokens, targets = (t.to(device) for t in batch(0, model, 0, 1, 0))
+    loss_fn(oracle(tokens), targets).backward()
+    return {name: p.grad for name, p in oracle.named_parameters()}
+
+
+def _forward_backward(pieces: Pieces, model: str):
+    info, rank, n, net = _setup(model)
+    tokens, targets = (t.to(info.device) for t in batch(0, model, 0, n, rank))
+    trace: list = []
+    units = _learner("attach (your shard)", attach, net, pieces, None, trace)
+    with Probes(rank, info.device) as probes, probes.step(0):
+        loss = _learner("forward", lambda: loss_fn(net(tokens), targets), trace=trace)
+        try:
+            _learner("backward", loss.backward, trace=trace)
+        except _LearnerError as e:
+            e.held = {u.name: _held_bytes(u) for u in units}
+            raise
+    names = {id(p): name for name, p in net.named_parameters()}
+    return info, rank, n, net, units, names, trace, probes.comm.summary(0)
+
+
+def _rank_backward(pieces: Pieces, model: str, steps: int) -> dict:
+    pieces = dataclasses.replace(pieces, after_grad=None)  # the full gradients stay, to compare with single's
+    info, rank, n, net, units, names, trace, comm = _forward_backward(pieces, model)
+    want = _oracle_grads(model, info.device)
+    worst, worst_name = 0.0, ""
+    for name, p in net.named_parameters():
+        if p.grad is None or p.grad.shape != want[name].shape:
+            return {"no_grad": name, "trace": trace, "comm": comm}
+        mean = p.grad.detach().clone()
+        dist.all_reduce(mean)  # the check's own collective, outside the probed step
+        err = ((mean / n - want[name]).norm() / want[name].norm().clamp_min(1e-30)).item()
+        if err > worst:
+            worst, worst_name = err, name
+    return {"grad_err": worst, "worst": worst_name, "trace": trace, "comm": comm}
+
+
+def _rank_reduce_scatter(pieces: Pieces, model: str, steps: int) -> dict:
+    info, rank, n, net, units, names, trace, comm = _forward_backward(pieces, model)
+    want = _oracle_grads(model, info.device)
+    no_grad, full_grads, dots = [], 0, torch.zeros(3, dtype=torch.float64)
+    for unit in units:
+        for p, s in zip(unit.params, unit.shards, strict=True):
+            name = names[id(p)]
+            if p.grad is not None:
+                full_grads += p.grad.numel() * p.grad.element_size()
+            expect = shard_dim0(want[name], rank, n).double()
+            if s.grad is None or s.grad.shape != expect.shape:
+                no_grad.append(name)
+                continue
+            g = s.grad.double()
+            dots += torch.stack(
+                [(g * expect).sum(), (expect * expect).sum(), ((g - expect) ** 2).sum()]
+            ).cpu()
+    flags = torch.tensor([len(no_grad)], dtype=torch.float64)
+    summary = torch.cat([dots, flags]).to(info.device)
+    dist.all_reduce(summary)  # the check's own collective: the whole model's figures, every rank's rows
+    dot, norm2, err2, missing = summary.tolist()
+    return {
+        "no_grad": no_grad,
+        "missing": int(missing),
+        "ratio": dot / norm2 if norm2 else math.nan,
+        "grad_err": math.sqrt(err2 / norm2) if norm2 else math.nan,
+        "full_grad_bytes": full_grads,
+        "held": {u.name: _held_bytes(u) for u in units},
+        "trace": trace,
+        "comm": comm,
+    }
+
+
+def _rank_adamw(pieces: Pieces, model: str, steps: int) -> dict:
+    info = loop.rank_info()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    cfg = RunConfig(model=model, world_size=n, steps=steps)
+    eng = _learner("attach and make_optimizer", Learner(pieces).build, cfg, build_model(model), info)
+    oracle = SingleEngine(build_model(model), cfg, info.device)
+    opt = eng.optimizer
+    group = opt.param_groups[0] if isinstance(opt, torch.optim.Optimizer) and opt.param_groups else {}
+    shard_ids = {id(s) for s in eng.shards}
+    held = [t for g in getattr(opt, "param_groups", []) for t in g["params"]]
+    losses, single = [], []
+    for step in range(steps):
+        data = tuple(t.to(info.device) for t in batch(step, model, 0, n, rank))
+        loss, _ = _learner(f"training step {step}", loop.timed_step, eng, step, data, trace=eng.trace)
+        dist.all_reduce(loss)
+        losses.append(loss.item() / n)
+        data = tuple(t.to(info.device) for t in batch(step, model, 0, 1, 0))
+        single.append(loop.timed_step(oracle, step, data)[0].item())
+    return {
+        "optimizer": type(opt).__name__,
+        "is_adamw": isinstance(opt, torch.optim.AdamW),
+        "hyper": {k: group.get(k) for k in ("lr", "betas", "eps", "weight_decay")},
+        "want_hyper": {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay},
+        "not_shards": sum(id(t) not in shard_ids for t in held),
+        "n_held": len(held),
+        "n_shards": len(shard_ids),
+        "state_bytes": state_bytes(eng.state_tensors())["optimizer"],
+        "single_state_bytes": state_bytes(oracle.state_tensors())["optimizer"],
+        "losses": losses,
+        "single": single,
+    }
+
+
+_RANK = {
+    "shard": _rank_shard,
+    "gather": _rank_gather,
+    "forward": _rank_forward,
+    "backward": _rank_backward,
+    "reduce_scatter": _rank_reduce_scatter,
+    "adamw": _rank_adamw,
+}

@@ -1,0 +1,441 @@
+"""The sentences of the build-along's checks: from what every rank measured to one verdict per step.
+
+Parent side of `labkit.build.checks`. Each step has a `_mistake_<step>` that returns the sentence naming the
+first mistake it finds (checked in the order a learner would make them), or None; then the sentence of
+what was verified, with the measured figures. Bytes are compared with `labkit.budget`'s ring formula on
+the padded sizes, exactly; losses and gradients with single's, to the engines' float32 tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from labkit.budget import collective_wire_bytes, padded_numel
+from labkit.model import build_model
+
+LOSS_RTOL = 1e-4  # float32: the engines' contract with single
+GRAD_RTOL = 1e-4
+
+
+@dataclass
+class CheckResult:
+    """What one check found: `ok`, the sentence it printed, and the measured figures behind it."""
+
+    step: str
+    ok: bool
+    sentence: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{'✓' if self.ok else '✗'} {self.step}: {self.sentence}"
+
+    def _ipython_display_(self) -> None:
+        pass  # printed when it was made; as a cell's last value it is not shown twice
+
+
+class ModelFacts:
+    """The parent's view of the model the ranks ran: names, shapes, padded bytes, the byte formulas."""
+
+    def __init__(self, name: str, n: int):
+        self.n = n
+        self.shapes = {k: tuple(p.shape) for k, p in build_model(name).named_parameters()}
+        self.padded_bytes = {k: padded_numel(s, n) * 4 for k, s in self.shapes.items()}  # float32
+        self.gather_bytes = self._wire("all_gather")  # each parameter gathered once
+        self.scatter_bytes = self._wire("reduce_scatter")  # each gradient reduced once
+
+    def _wire(self, kind: str) -> int:
+        return sum(collective_wire_bytes(kind, b, self.n) for b in self.padded_bytes.values())
+
+    def rows(self, name: str) -> tuple[int, int]:
+        """(d0, ceil(d0/n)) of parameter `name`."""
+        d0 = self.shapes[name][0]
+        return d0, -(-d0 // self.n)
+
+
+def verdict(step: str, ranks: list[dict], model: str, n: int, steps: int) -> CheckResult:
+    """The result of one case, from every rank's measurements (rank order)."""
+    failed = next(((rank, r) for rank, r in enumerate(ranks) if "error" in r), None)
+    if failed is not None:
+        return CheckResult(step, False, error_sentence(*failed), failed[1])
+    figures_of, mistake_of, ok_of = _STEPS[step]
+    m = ModelFacts(model, n)
+    figures = figures_of(ranks, m, steps)
+    mistake = mistake_of(ranks, m, figures)
+    if mistake is not None:
+        return CheckResult(step, False, mistake, figures)
+    return CheckResult(step, True, ok_of(ranks, m, figures), figures)
+
+
+def error_sentence(rank: int, r: dict) -> str:
+    """The sentence for code that raised: where, what, and (for the model's own ops) which weight was absent."""
+    where, text = r["where"], r["error"]
+    unit = where.rsplit("(", 1)[-1].rstrip(")") if "after " in where else "a unit"
+    if not r.get("line"):  # raised in the model's ops, not in the learner's code: its weights were absent
+        if where.startswith("backward") and r.get("held", {}).get(unit):
+            return (
+                f"before_backward gave {unit}'s parameters new tensors, but its backward reads the views "
+                f"autograd saved in forward, whose storage after_forward freed ({text}): gather back into "
+                "the same storage (resize it, then copy, as load does)"
+            )
+        if where.startswith("backward"):
+            return f"the backward of {unit} found its weights freed ({text}): gather them again in before_backward"
+        if where.startswith("forward"):
+            return (
+                f"the forward of {unit} found no weights ({text}): before_forward must gather each of the "
+                "unit's weights into its parameter (p in unit.params) before the unit computes"
+            )
+    line = f" ({r['line']})" if r.get("line") else ""
+    return f"your code raised {text} in {where} on rank {rank}{line}"
+
+
+def _tol(x: float) -> str:
+    return "exactly" if x == 0 else f"to {x:.0e}"
+
+
+def _wire(comm: dict, kind: str) -> int:
+    return comm.get(kind, {}).get("wire_bytes", 0)
+
+
+def _names(units: Sequence[str]) -> str:
+    """'a', 'a and b', 'a, b and c'; past four names, 'a, b, c and 5 more'."""
+    units = list(units)
+    if len(units) > 4:
+        return f"{', '.join(units[:3])} and {len(units) - 3} more"
+    return " and ".join(filter(None, [", ".join(units[:-1]), units[-1]]))
+
+
+# ------------------------------------------------------------------------------------------------ shard
+
+
+def _shard_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
+    rows = {k: [r["params"][i].get("shape", (0,))[0] for r in ranks] for i, k in enumerate(m.shapes)}
+    pad = sum(b // 4 - math.prod(m.shapes[k]) for k, b in m.padded_bytes.items())
+    return {"params": len(m.shapes), "padding_elements": pad, "rows": rows}
+
+
+def _shard_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | None:
+    n = m.n
+    for i, name in enumerate(m.shapes):
+        d0, k = m.rows(name)
+        for rank, row in enumerate(r["params"][i] for r in ranks):
+            if "type" in row:
+                return f"shard returned a {row['type']} for {name} on rank {rank}; return a tensor"
+            if row["shape"][:1] != (k,):
+                got = row["shape"][0] if row["shape"] else 0
+                return (
+                    f"rank {rank} of {n} has {got} rows of the {d0}-row {name}; every rank needs "
+                    f"ceil({d0}/{n}) = {k}, zero-padded, or the gather's buffers do not line up"
+                )
+            if row["shape"][1:] != row["want"][1:]:
+                return (
+                    f"rank {rank}'s shard of {name} has shape {row['shape']}, not {row['want']}: cut on dim 0 "
+                    "only, keep the other dims"
+                )
+            if row["dtype"] != "torch.float32":
+                return (
+                    f"rank {rank}'s shard of {name} is {row['dtype']}: the shards are the float32 master copy "
+                    "the optimizer updates"
+                )
+            if not row["rows_equal"]:
+                return (
+                    f"rank {rank}'s rows of {name} are not rows [{rank * k}, {min(d0, (rank + 1) * k)}) of the "
+                    f"full tensor: rank r keeps rows [r*k, (r+1)*k), k = {k}"
+                )
+            if not row["padding_zero"]:
+                return f"rank {rank}'s padding rows of {name} are not zero: pad with zeros, so padding never counts"
+            if row["view"]:
+                return (
+                    f"rank {rank}'s shard of {name} is a view of the full tensor (it shares its storage): "
+                    "freeing the full weight would free nothing; return a copy"
+                )
+    return None
+
+
+def _shard_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
+    example = next(k for k in m.shapes if m.rows(k)[0] % m.n)
+    d0, k = m.rows(example)
+    per_rank = sum(b // 4 for b in m.padded_bytes.values()) // m.n
+    return (
+        f"each of the {len(m.shapes)} parameters cut into {m.n} shards of ceil(d0/{m.n}) rows, each the full "
+        f"tensor's rows, zero-padded: {per_rank:,} elements per rank, {figures['padding_elements']:,} of them "
+        f"padding ({example}: {m.n} x {k} rows for {d0})"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ gather
+
+
+def _gather_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
+    return {"wire_bytes": _wire(ranks[0]["comm"], "all_gather"), "formula_bytes": m.gather_bytes}
+
+
+def _gather_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | None:
+    for rank, r in enumerate(ranks):
+        for row in r["params"]:
+            name = row["name"]
+            d0, k = m.rows(name)
+            if row["shape"] is None:
+                return f"gather returned no tensor for {name}: return the full tensor"
+            if row["shape"] != row["want"]:
+                hint = (
+                    f"keep the first d0 = {d0} (the rest is padding)"
+                    if row["shape"][0] == k * m.n
+                    else f"the full tensor has shape {row['want']}"
+                )
+                return f"gather returned {row['shape'][0]} rows of {name} on rank {rank}; {hint}"
+            if not row["equal"]:
+                return (
+                    f"the gathered {name} differs from the full tensor on rank {rank}: rank r's shard goes to "
+                    f"rows [r*k, (r+1)*k) (k = {k}), in rank order"
+                )
+    if "all_reduce" in ranks[0]["comm"]:
+        return (
+            "gather used an all-reduce: it works on zero-padded buffers but sends 2(n-1)/n of the bytes, "
+            "twice an all-gather's (n-1)/n"
+        )
+    if figures["wire_bytes"] != m.gather_bytes:
+        return (
+            f"all-gather wire bytes {figures['wire_bytes']:,} B, but (n-1)/n x padded bytes = "
+            f"{m.gather_bytes:,} B: gather each parameter once, from its padded shard"
+        )
+    return None
+
+
+def _gather_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
+    return (
+        f"every parameter gathered back exactly on every rank; all-gather wire bytes {figures['wire_bytes']:,} B "
+        "= (n-1)/n x padded bytes, to the byte"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ forward
+
+
+def _forward_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
+    return {
+        "loss_rel": max(abs(r["loss"] - r["single"]) / abs(r["single"]) for r in ranks),
+        "wire_bytes": _wire(ranks[0]["comm"], "all_gather"),
+        "formula_bytes": m.gather_bytes,
+        "trace": ranks[0]["trace"],
+    }
+
+
+def _forward_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | None:
+    r0 = ranks[0]
+    if figures["loss_rel"] > LOSS_RTOL:
+        return (
+            f"loss {r0['loss']:.6f} differs from single's {r0['single']:.6f} on the same slice (relative "
+            f"{figures['loss_rel']:.1e}): each parameter must hold exactly gather(shard, d0) while its unit computes"
+        )
+    held = {u: b for u, b in r0["held"].items() if b}
+    if held:
+        first = next(iter(held))
+        return (
+            f"after forward {_names(held)} still hold{'s its' if len(held) == 1 else ' their'} full weights "
+            f"({first}: {held[first]:,} B): free them in after_forward"
+        )
+    if r0["pinned"]:
+        first = next(iter(r0["pinned"]))
+        return (
+            f"after forward autograd still holds the full weights of {_names(r0['pinned'])} ({first}: "
+            f"{r0['pinned'][first]:,} B) in the tensors it saved for backward: replacing p.data leaves the "
+            "gathered tensor alive there; free its storage (p.untyped_storage().resize_(0)) and gather back into it"
+        )
+    early = {u: o for u, o in r0["others_held"].items() if o}
+    if early:
+        unit, others = next(iter(early.items()))
+        return (
+            f"while {unit} computed, {_names(others)} already held full weights ({sum(others.values()):,} B): "
+            "gather each unit in its own before_forward, or the peak is the whole model"
+        )
+    if figures["wire_bytes"] != m.gather_bytes:
+        return (
+            f"forward all-gather wire bytes {figures['wire_bytes']:,} B, but (n-1)/n x padded bytes = "
+            f"{m.gather_bytes:,} B: gather each unit's weights once, in its before_forward"
+        )
+    return None
+
+
+def _forward_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
+    return (
+        f"loss equal to single's {_tol(figures['loss_rel'])} on every rank's slice; only the root and the "
+        "computing block held full weights, and after its forward every unit held 0 B; all-gather wire bytes "
+        f"{figures['wire_bytes']:,} B = (n-1)/n x padded bytes, to the byte"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ backward
+
+
+def _backward_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
+    return {
+        "grad_rel": max(r.get("grad_err", math.inf) for r in ranks),
+        "wire_bytes": _wire(ranks[0]["comm"], "all_gather"),
+        "formula_bytes": 2 * m.gather_bytes,
+        "trace": ranks[0]["trace"],
+    }
+
+
+def _backward_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | None:
+    missing = next((r["no_grad"] for r in ranks if "no_grad" in r), None)
+    if missing:
+        return (
+            f"after backward {missing} has no gradient of its full shape: the backward needs the full weights, "
+            "gathered in before_backward"
+        )
+    if figures["grad_rel"] > GRAD_RTOL:
+        return (
+            f"the mean gradient over ranks differs from single's by relative {figures['grad_rel']:.1e} (worst: "
+            f"{ranks[0]['worst']}): backward must see the same full weights as forward"
+        )
+    if figures["wire_bytes"] != figures["formula_bytes"]:
+        return (
+            f"all-gather wire bytes {figures['wire_bytes']:,} B in forward and backward, but 2 x (n-1)/n x padded "
+            f"bytes = {figures['formula_bytes']:,} B: each unit is gathered once before its forward and once "
+            "before its backward"
+        )
+    return None
+
+
+def _backward_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
+    return (
+        f"gradients (mean over ranks) equal single's {_tol(figures['grad_rel'])}; all-gather wire bytes "
+        f"{figures['wire_bytes']:,} B = 2 x (n-1)/n x padded bytes, to the byte: each unit gathered for its "
+        "forward and again for its backward"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ reduce-scatter
+
+
+def _scatter_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
+    r0 = ranks[0]
+    return {
+        "ratio": r0["ratio"],
+        "grad_rel": r0["grad_err"],
+        "wire_bytes": _wire(r0["comm"], "reduce_scatter"),
+        "formula_bytes": m.scatter_bytes,
+        "trace": r0["trace"],
+    }
+
+
+def _scatter_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | None:
+    r0, n = ranks[0], m.n
+    if r0["missing"]:
+        first = next(name for r in ranks for name in r["no_grad"])
+        return (
+            f"after backward {r0['missing']} shards have no .grad of the shard's shape (first: {first}): "
+            "after_grad must set each shard's .grad to its rows of the mean gradient"
+        )
+    if abs(figures["ratio"] * n - 1) < 1e-3:
+        return (
+            f"the shard grads are 1/{n} of single's: the mean was taken twice (ReduceOp.AVG already divides "
+            "by n: sum, then divide once)"
+        )
+    if abs(figures["ratio"] / n - 1) < 1e-3:
+        return (
+            f"the shard grads are {n} x single's: the reduce-scatter sums the ranks' gradients; divide by n "
+            "for the mean"
+        )
+    if not figures["grad_rel"] <= GRAD_RTOL:
+        return (
+            f"the shard grads differ from single's rows by relative {figures['grad_rel']:.1e}: rank r's .grad must "
+            "be rows [r*k, (r+1)*k) of the zero-padded full gradient, summed over ranks and divided by n"
+        )
+    full = max(r["full_grad_bytes"] for r in ranks)
+    if full:
+        return (
+            f"after backward the full gradients are still there ({full:,} B per rank): set p.grad = None once "
+            "it is reduce-scattered"
+        )
+    held = {u: b for u, b in r0["held"].items() if b}
+    if held:
+        first = next(iter(held))
+        return (
+            f"after backward {_names(held)} still hold full weights ({first}: {held[first]:,} B): free them "
+            "in after_grad"
+        )
+    if "all_reduce" in r0["comm"] and not figures["wire_bytes"]:
+        return (
+            "after_grad used an all-reduce: every rank receives the whole gradient (2(n-1)/n of its bytes) to "
+            "keep 1/n of it; a reduce-scatter sends half"
+        )
+    if figures["wire_bytes"] != m.scatter_bytes:
+        return (
+            f"reduce-scatter wire bytes {figures['wire_bytes']:,} B, but (n-1)/n x padded float32 bytes = "
+            f"{m.scatter_bytes:,} B: reduce each gradient once, padded"
+        )
+    return None
+
+
+def _scatter_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
+    return (
+        f"each shard's grad equals its rows of single's gradient {_tol(figures['grad_rel'])} (summed over ranks, "
+        f"divided by {m.n}); full grads and weights dropped (0 B held); reduce-scatter wire bytes "
+        f"{figures['wire_bytes']:,} B = (n-1)/n x padded float32 bytes, to the byte"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ AdamW
+
+
+def _adamw_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
+    r0 = ranks[0]
+    pairs = list(zip(r0["losses"], r0["single"], strict=True))
+    return {
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in pairs),
+        "losses": r0["losses"],
+        "single": r0["single"],
+        "state_bytes": r0["state_bytes"],
+        "single_state_bytes": r0["single_state_bytes"],
+        "steps": steps,
+    }
+
+
+def _adamw_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | None:
+    r0 = ranks[0]
+    if not r0["is_adamw"]:
+        return f"the optimizer is {r0['optimizer']}, not AdamW: single trains with torch.optim.AdamW"
+    if r0["not_shards"]:
+        return (
+            f"the optimizer updates {r0['not_shards']} tensors that are not this rank's shards: give it `shards` "
+            "themselves (the tensors after_grad fills), or the weights the units gather never change"
+        )
+    want = r0["want_hyper"]
+    differ = [k for k, v in r0["hyper"].items() if _plain(v) != _plain(want[k])]
+    if differ:
+        got = ", ".join(f"{k}={r0['hyper'][k]}" for k in differ)
+        lab = ", ".join(f"{k}={want[k]}" for k in differ)
+        verb = "is" if len(differ) == 1 else "are"
+        return f"AdamW's {got} {verb} not the lab's {lab}: take them from RunConfig, as single does"
+    if not figures["loss_rel"] <= LOSS_RTOL:
+        at = max(range(len(r0["losses"])), key=lambda i: abs(r0["losses"][i] - r0["single"][i]))
+        return f"the loss differs from single's by relative {figures['loss_rel']:.1e} (worst at step {at})"
+    return None
+
+
+def _adamw_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
+    state, single = figures["state_bytes"], figures["single_state_bytes"]
+    return (
+        f"loss equal to single's {_tol(figures['loss_rel'])} over {figures['steps']} steps; AdamW holds only this "
+        f"rank's {ranks[0]['n_shards']} shards: its state is {state:,} B per rank, 1/{single / state:.2f} of "
+        f"single's {single:,} B"
+    )
+
+
+def _plain(v):
+    return list(v) if isinstance(v, (tuple, list)) else v
+
+
+Verdict = tuple[Callable[..., dict], Callable[..., str | None], Callable[..., str]]
+_STEPS: dict[str, Verdict] = {
+    "shard": (_shard_figures, _shard_mistake, _shard_ok),
+    "gather": (_gather_figures, _gather_mistake, _gather_ok),
+    "forward": (_forward_figures, _forward_mistake, _forward_ok),
+    "backward": (_backward_figures, _backward_mistake, _backward_ok),
+    "reduce_scatter": (_scatter_figures, _scatter_mistake, _scatter_ok),
+    "adamw": (_adamw_figures, _adamw_mistake, _adamw_ok),
+}
