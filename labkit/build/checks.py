@@ -109,6 +109,13 @@ def run_checks(
             ranks = labkit.launch(
                 _rank_cases, world_size, [cases[i] for i in runnable], model, steps, timeout=TIMEOUT_S
             )
+        except labkit.LaunchTimeout as e:
+            doing = "; ".join(f"rank {r}: {d}" for r, d in sorted(e.doing.items()))
+            sentence = (
+                f"the ranks did not finish in {TIMEOUT_S:.0f} s ({doing}): a collective that not every rank "
+                "calls, or calls with other sizes, waits forever"
+            )
+            ranks = None
         except labkit.LaunchError as e:
             sentence = f"the ranks failed before reporting ({str(e).splitlines()[0]})"
             ranks = None
