@@ -18,11 +18,10 @@ import sys
 from collections.abc import Callable
 
 from labkit.cli import UsageError
+from labkit.engines import ENGINES
 
 
 def _engine_list(text: str) -> list[str]:
-    from labkit.engines.base import ENGINES  # torch, so only once `compare` parses its flags, not at --help
-
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise argparse.ArgumentTypeError(f"pass engine names separated by commas, from {','.join(ENGINES)}")
@@ -64,7 +63,7 @@ def register(subparsers) -> None:
         "--engines",
         type=_engine_list,
         default=["single", "ddp"],
-        help="engines to compare, comma-separated, e.g. single,scratch,fsdp2 (a wrong name lists them all)",
+        help=f"engines to compare, comma-separated, from {','.join(ENGINES)}",
     )
     p.add_argument(
         "--world-size",

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-ENGINES = ("single", "ddp", "scratch", "fsdp1", "fsdp2", "deepspeed")
+from labkit.engines import ENGINES  # noqa: F401 (the names, re-exported beside the protocol)
+from labkit.model import loss_fn
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,28 @@ class RankInfo:
 def adamw(params, cfg: RunConfig) -> torch.optim.AdamW:
     """`torch.optim.AdamW` with the run's hyper-parameters: the optimizer every engine must match."""
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+class ModelEngine:
+    """The step shared by the engines that wrap the model: the loss on this rank's device, a plain backward
+    (the wrapper's hooks do the communication), AdamW, and gradients zeroed, not freed, between steps, so
+    the state counted between steps is the textbook 16 B/param (/ n once sharded)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.model = model
+        self.optimizer = optimizer
+        self.device = device
+
+    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens.to(self.device))
+        return loss_fn(logits.float(), targets.to(self.device))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
 
 
 class Engine(Protocol):

@@ -59,9 +59,9 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from labkit import cluster
 from labkit.budget import collective_wire_bytes, padded_flat_numel
-from labkit.engines.base import RankInfo, RunConfig, adamw
+from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 from labkit.engines.fsdp2 import device_mesh, hsdp_shard_size
-from labkit.model import Block, loss_fn
+from labkit.model import Block
 
 NAME = "fsdp1"
 OPTIONS = ("hsdp_shard_size", "prefetch_depth", "reshard_after_forward")  # the cfg.options keys it honours
@@ -157,28 +157,10 @@ def flat_params(root: nn.Module) -> list[FlatParameter]:
     return out
 
 
-class Fsdp1Engine:
+class Fsdp1Engine(ModelEngine):
     """One rank of the fsdp1 engine: the wrapped model and an AdamW over its flat shards."""
 
     name = NAME
-
-    def __init__(self, model: FSDP, optimizer: torch.optim.Optimizer, device: torch.device):
-        self.model = model
-        self.optimizer = optimizer
-        self.device = device
-
-    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(tokens.to(self.device))
-        return loss_fn(logits.float(), targets.to(self.device))
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        # Zeroed, not freed, as in the other engines: the flat gradient shard stays allocated between steps
-        # (FSDP1 adds the next reduce-scatter's output into it), so the state counted is 16 B/param / n.
-        self.optimizer.zero_grad(set_to_none=False)
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Per unit: the local flat shard, its flat gradient shard, AdamW's exp_avg, exp_avg_sq and step.

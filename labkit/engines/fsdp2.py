@@ -43,8 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from labkit import cluster
 from labkit.budget import collective_wire_bytes, padded_numel
-from labkit.engines.base import RankInfo, RunConfig, adamw
-from labkit.model import loss_fn
+from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 
 NAME = "fsdp2"
 
@@ -139,28 +138,10 @@ def assert_sharded(model: nn.Module, mesh: DeviceMesh) -> None:
             )
 
 
-class Fsdp2Engine:
+class Fsdp2Engine(ModelEngine):
     """One rank of the fsdp2 engine: the sharded model and an AdamW over its local shards."""
 
     name = NAME
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
-        self.model = model
-        self.optimizer = optimizer
-        self.device = device
-
-    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(tokens.to(self.device))
-        return loss_fn(logits.float(), targets.to(self.device))
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        # Zeroed, not freed: the gradient shards stay allocated between steps, as in `single` and `ddp`, so
-        # the state counted is the textbook 16 B/param / n (the next reduce-scatter adds into the zeros).
-        self.optimizer.zero_grad(set_to_none=False)
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Local shards only: each DTensor's `to_local()`; AdamW's exp_avg, exp_avg_sq and step per tensor.

@@ -11,35 +11,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from labkit.engines.base import RankInfo, RunConfig, adamw
-from labkit.model import loss_fn
+from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 
 NAME = "single"
 
 
-class SingleEngine:
-    """The full model and its AdamW on one rank. Gradients are zeroed, not freed, between steps, so the
-    state between steps is the textbook 16 B/param in float32 (param, grad, two moments)."""
+class SingleEngine(ModelEngine):
+    """The full model and its AdamW on one rank, bf16 compute under autocast when asked. Gradients are
+    zeroed, not freed, between steps, so the state between steps is the textbook 16 B/param in float32."""
 
     name = NAME
 
     def __init__(self, model: nn.Module, cfg: RunConfig, device: torch.device):
-        self.model = model.to(device)
-        self.optimizer = adamw(self.model.parameters(), cfg)
-        self.device = device
+        super().__init__(model.to(device), adamw(model.parameters(), cfg), device)
         self.bf16 = cfg.dtype == "bfloat16"
 
     def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.bf16):
-            logits = self.model(tokens)
-        return loss_fn(logits.float(), targets)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
+            return super().forward_loss(tokens, targets)
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         return state_tensors(self.model, self.optimizer)
