@@ -4,6 +4,7 @@ Each `# -- build: NAME --` section below is, verbatim, the source of the noteboo
 (tests/test_build.py holds the two together). `PIECES` bundles them for the scaffold (`labkit.build.attach`,
 `labkit.build.Learner`); the tests plant mistakes into copies of it.
 """
+# ruff: noqa: E402 (each section is a notebook cell, with its own imports)
 
 # -- build: shard --
 import torch
@@ -73,7 +74,7 @@ def after_grad(unit):
 
 
 # -- build: adamw --
-from labkit.engines.base import RunConfig  # noqa: E402
+from labkit.engines.base import RunConfig
 
 lab = RunConfig()  # the hyper-parameters single trains with
 
@@ -84,7 +85,7 @@ def make_optimizer(shards):
 
 
 # -- end --
-from labkit.build.scaffold import Pieces  # noqa: E402
+from labkit.build.scaffold import Pieces
 
 PIECES = Pieces(shard, gather, before_forward, after_forward, before_backward, after_grad, make_optimizer)
 
