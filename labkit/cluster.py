@@ -14,6 +14,7 @@ started in the parent), with `fn` and its arguments sent by value with cloudpick
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import json
 import mmap
 import os
@@ -186,6 +187,10 @@ class _Run:
         # spawned ones get it by value.
         call = (fn, args, kwargs)
         self.payload = call if where.start_method == "fork" else cloudpickle.dumps(call)
+        if where.start_method == "fork":
+            # torch.optim's first optimizer imports torch._dynamo, about 2 s per process: imported here
+            # once, every forked rank of every launch inherits it instead.
+            importlib.import_module("torch._dynamo")
         self.dir = tempfile.mkdtemp(prefix="labkit-launch-")
 
     def run(self) -> list[Any]:

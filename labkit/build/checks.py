@@ -18,7 +18,6 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
-import torch._dynamo  # noqa: F401 - see below
 import torch.distributed as dist
 
 import labkit
@@ -30,9 +29,6 @@ from labkit.engines.single import SingleEngine
 from labkit.model import batch, build_model, loss_fn
 from labkit.probes import Probes, state_bytes
 from labkit.zero.sharding import shard_dim0
-
-# `import torch._dynamo` above: torch.optim's first optimizer imports it (seconds). Imported once here, in
-# the parent, it is inherited by every forked rank of every check instead of imported by each.
 
 TIMEOUT_S = 120.0
 STEPS = ("shard", "gather", "forward", "backward", "reduce_scatter", "adamw")
