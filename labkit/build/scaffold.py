@@ -19,6 +19,7 @@ from torch import nn
 
 from labkit.engines.base import RankInfo, RunConfig, adamw
 from labkit.model import loss_fn
+from labkit.zero.hooks import model_units
 
 MOMENTS = ("before_forward", "after_forward", "before_backward", "after_grad")
 
@@ -106,15 +107,7 @@ def attach(model: nn.Module, pieces: Pieces, group=None, trace: list | None = No
 
 def unit_params(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
     """(name, module, its parameters) per unit: the root (the model minus its blocks), then each block."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
-        raise ValueError(
-            f"{type(model).__name__} has no `blocks` ModuleList; the build shards a model whose repeated "
-            "layers are in model.blocks (like labkit.model.GPT)"
-        )
-    in_blocks = {id(p) for p in blocks.parameters()}
-    root = [p for p in model.parameters() if id(p) not in in_blocks]
-    return [("root", model, root), *((f"blocks.{i}", b, list(b.parameters())) for i, b in enumerate(blocks))]
+    return [(name, module, [p for _, p in params]) for name, module, params in model_units(model)]
 
 
 class _Moments:

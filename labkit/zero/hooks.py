@@ -20,6 +20,23 @@ from labkit.zero.prefetch import Prefetcher
 from labkit.zero.unit import ShardedUnit
 
 
+def model_units(model: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """(name, module, its named parameters) per unit: the root (the model minus its blocks), then each
+    `model.blocks[i]`; a ValueError in a sentence for a model without blocks."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        raise ValueError(
+            f"{type(model).__name__} has no `blocks` ModuleList to shard; ZeRO-3 here shards a model "
+            "whose repeated layers are in model.blocks (like labkit.model.GPT)"
+        )
+    in_blocks = {id(p) for p in blocks.parameters()}
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
+    return [
+        ("root", model, root),
+        *((f"blocks.{i}", b, list(b.named_parameters())) for i, b in enumerate(blocks)),
+    ]
+
+
 class ZeRO3:
     """Shard `model` in place across `group`: each block of `model.blocks` is a unit, the rest is the root.
 
@@ -32,26 +49,14 @@ class ZeRO3:
 
     def __init__(self, model: nn.Module, group=None, reshard_after_forward: bool = True,
                  prefetch: bool = True, compute_dtype: torch.dtype = torch.float32, trace: list | None = None):  # fmt: skip
-        blocks = getattr(model, "blocks", None)
-        if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
-            raise ValueError(
-                f"{type(model).__name__} has no `blocks` ModuleList to shard; ZeRO-3 here shards a model "
-                "whose repeated layers are in model.blocks (like labkit.model.GPT)"
-            )
         if not dist.is_initialized():
             raise RuntimeError("ZeRO3 needs an initialised process group; run it inside labkit.launch")
         self.model = model
         self.reshard_after_forward = reshard_after_forward
         self.prefetcher = Prefetcher(prefetch)
         self.trace = trace
-        in_blocks = {id(p) for p in blocks.parameters()}
-        root_params = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
-        self.root = ShardedUnit("root", model, root_params, group, compute_dtype)
-        self.blocks = [
-            ShardedUnit(f"blocks.{i}", b, list(b.named_parameters()), group, compute_dtype)
-            for i, b in enumerate(blocks)
-        ]
-        self.units = [self.root, *self.blocks]
+        self.units = [ShardedUnit(*unit, group, compute_dtype) for unit in model_units(model)]
+        self.root, self.blocks = self.units[0], self.units[1:]
         self._grads_left: dict[ShardedUnit, int] = {}
         self._reducing: list[ShardedUnit] = []
         for unit in self.units:
