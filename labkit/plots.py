@@ -427,3 +427,74 @@ def self_check_html(items: Sequence[tuple[str, str]]) -> str:
         for q, a in items
     ]
     return "\n".join(blocks)
+
+
+# ---------------------------------------------------------------------------------------------- meshes
+
+_MESH_COLORS = ("#A6CEE3", "#FDBF6F", "#B2DF8A", "#CAB2D6", "#FB9A99", "#FFFF99", "#1F78B4", "#E31A1C")
+
+
+def mesh_groups(mesh_ranks: Sequence[Sequence[int]], dim: int) -> list[list[int]]:
+    """The process groups of a 2-D mesh's dimension `dim`: the ranks that differ only in that coordinate.
+
+    Dim 1 is each row of `mesh_ranks` (a `DeviceMesh.mesh.tolist()`), dim 0 each column: what
+    `mesh.get_group(dim)` holds on each of those ranks.
+    """
+    rows = [list(row) for row in mesh_ranks]
+    return rows if dim == 1 else [list(column) for column in zip(*rows, strict=True)]
+
+
+def mesh_figure(mesh_ranks: Sequence[Sequence[int]], dim_names: Sequence[str], *, colour_by: str | None = None,
+                roles: Mapping[str, str] | None = None, ax=None, title: str | None = None) -> Figure:  # fmt: skip
+    """A 2-D device mesh as its grid of ranks (row i, column j holds `mesh_ranks[i][j]`), its groups labelled.
+
+    Each rank is filled with the colour of its group along `colour_by` (default: the last dimension); the
+    other dimension's groups are dashed outlines. Rows are labelled at their right, columns under them;
+    `roles[name]`, what a group of that dimension does ("all-gather + reduce-scatter"), goes in the legend.
+    """
+    from matplotlib.patches import FancyBboxPatch
+
+    rows, cols = len(mesh_ranks), len(mesh_ranks[0])
+    names = tuple(dim_names)
+    filled = names.index(colour_by) if colour_by is not None else 1
+    dashed = 1 - filled
+    roles = roles or {}
+    fig, ax = _figure_and_axes(ax, (2.6 + 1.6 * cols, 1.8 + 1.2 * rows))
+    where = {rank: (i, j) for i, row in enumerate(mesh_ranks) for j, rank in enumerate(row)}
+    for k, group in enumerate(mesh_groups(mesh_ranks, filled)):
+        for rank in group:
+            i, j = where[rank]
+            ax.add_patch(FancyBboxPatch((j - 0.4, i - 0.4), 0.8, 0.8, boxstyle="round,pad=0.02",
+                                        facecolor=_MESH_COLORS[k % len(_MESH_COLORS)], edgecolor="#333333"))  # fmt: skip
+            ax.text(j, i, f"rank {rank}", ha="center", va="center", fontsize=10, weight="bold")
+    for k in range(cols if dashed == 0 else rows):
+        x0, y0, w, h = (
+            (k - 0.47, -0.47, 0.94, rows - 0.06) if dashed == 0 else (-0.47, k - 0.47, cols - 0.06, 0.94)
+        )
+        ax.add_patch(FancyBboxPatch((x0, y0), w, h, boxstyle="round,pad=0.03", facecolor="none",
+                                    edgecolor="#555555", linestyle="--", linewidth=1.2))  # fmt: skip
+    for k, group in enumerate(mesh_groups(mesh_ranks, 1)):  # dim 1: the rows, labelled at their right
+        ax.text(cols - 0.42, k, f"{names[1]} group\n{group}", ha="left", va="center", fontsize=9)
+    for k, group in enumerate(mesh_groups(mesh_ranks, 0)):  # dim 0: the columns, labelled under them
+        ax.text(k, rows - 0.4, f"{names[0]} group\n{group}", ha="center", va="top", fontsize=9)
+    key = [
+        Patch(facecolor=_MESH_COLORS[0], edgecolor="#333333", label=f"fill: a {names[filled]} group"),
+        Patch(
+            facecolor="none", edgecolor="#555555", linestyle="--", label=f"dashed: a {names[dashed]} group"
+        ),
+    ]
+    for handle, dim in zip(key, (filled, dashed), strict=True):
+        if names[dim] in roles:
+            handle.set_label(f"{handle.get_label()}: {roles[names[dim]]}")
+    ax.legend(handles=key, loc="upper left", bbox_to_anchor=(0.0, 0.02), fontsize=8.5, frameon=False)
+    ax.set_xlim(-0.6, cols + 0.9)
+    ax.set_ylim(rows + 0.05, -0.6)
+    ax.set_xticks(range(cols), [f"{names[1]} {j}" for j in range(cols)])
+    ax.set_yticks(range(rows), [f"{names[0]} {i}" for i in range(rows)])
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.set_aspect("equal")
+    ax.set_title(title or f"mesh {names} = {[list(r) for r in mesh_ranks]}", fontsize=10, loc="left", pad=8)
+    return fig

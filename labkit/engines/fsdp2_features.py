@@ -94,7 +94,8 @@ def tp_fsdp(cfg: RunConfig) -> dict[str, Any]:
     Each block's MLP is split Megatron-style on the "tp" dim (fc column-wise, out row-wise: one all-reduce
     of the output per block, issued by DTensor's functional collectives, which labkit's probe does not
     see); then `fully_shard` on the "dp" dim shards every parameter's dim 0 again. The two ranks of a tp
-    pair read the same data slice.
+    pair read the same data slice. `mesh` is the rank grid, `dp_group_ranks` / `tp_group_ranks` this rank's
+    process group of each dim.
     """
     info = rank_info()
     mesh = init_device_mesh(info.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
@@ -108,6 +109,8 @@ def tp_fsdp(cfg: RunConfig) -> dict[str, Any]:
     facts = {
         "mesh_dim_names": mesh.mesh_dim_names,
         "mesh": mesh.mesh.tolist(),
+        "dp_group_ranks": dist.get_process_group_ranks(mesh.get_group("dp")),
+        "tp_group_ranks": dist.get_process_group_ranks(mesh.get_group("tp")),
         "placements": {
             name: (str(p.device_mesh.mesh_dim_names), str(p.placements))
             for name, p in block.named_parameters()
