@@ -379,6 +379,16 @@ def traffic_bars(comms: Mapping[str, Mapping], *, expected: Mapping[str, float] 
     return fig
 
 
+def self_check_html(items: Sequence[tuple[str, str]]) -> str:
+    """(question, answer) pairs as HTML `<details>` blocks: the answer shows when its question is clicked."""
+    blocks = [
+        f"<details style='margin:4px 0'><summary><b>{html.escape(q)}</b></summary>"
+        f"<div style='margin:4px 0 8px 16px'>{html.escape(a)}</div></details>"
+        for q, a in items
+    ]
+    return "\n".join(blocks)
+
+
 # ---------------------------------------------------------------------------------------------- collectives
 
 
@@ -417,16 +427,6 @@ def _cell(x: float, row: int, colour, edge: str = "white"):
     from matplotlib.patches import Rectangle
 
     return Rectangle((x, row - 0.4), 1.0, 0.8, facecolor=colour, edgecolor=edge, linewidth=0.8)
-
-
-def self_check_html(items: Sequence[tuple[str, str]]) -> str:
-    """(question, answer) pairs as HTML `<details>` blocks: the answer shows when its question is clicked."""
-    blocks = [
-        f"<details style='margin:4px 0'><summary><b>{html.escape(q)}</b></summary>"
-        f"<div style='margin:4px 0 8px 16px'>{html.escape(a)}</div></details>"
-        for q, a in items
-    ]
-    return "\n".join(blocks)
 
 
 # ---------------------------------------------------------------------------------------------- meshes

@@ -110,6 +110,27 @@ def test_committed_notebook_is_clean_and_has_parameters_and_slides(name):
     assert nb.cells[0].cell_type == "markdown" and "How long" in nb.cells[0].source
 
 
+# A figure with a unit in prose: the course renders those from the run or labkit.budget, never types them.
+TYPED_FIGURE = re.compile(r"\b\d[\d,.]*\s?(GB|MB|kB|GiB|MiB|TB|ms|s|%)(?![\w/])")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_each_notebook_predicts_twice_names_its_exercise_and_types_no_figure(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    predicts = [c for c in nb.cells if "predict" in c.metadata.get("tags", [])]
+    assert len(predicts) >= 2, f"{name} has {len(predicts)} `predict` cells; the course asks for two or more"
+    assert all("predict(" in c.source for c in predicts), f"{name}: a `predict` cell that asks nothing"
+    reveals = sum(c.source.count(".reveal(") for c in nb.cells if c.cell_type == "code")
+    assert reveals >= len(predicts), f"{name}: {len(predicts)} predictions but {reveals} reveals"
+    prose = [c.source for c in nb.cells if c.cell_type == "markdown"]
+    assert any(re.search(r"\]\(\.\./exercises/\d\d_\w+\.ipynb\)", s) for s in prose), (
+        f"{name} links to no exercise"
+    )
+    assert re.search(r"(?i)remember", prose[-1]), f"{name} does not end with the one thing to remember"
+    typed = [(i, m.group(0)) for i, s in enumerate(prose) for m in TYPED_FIGURE.finditer(s)]
+    assert not typed, f"{name}: figures typed into markdown (render them from the run): {typed[:4]}"
+
+
 def test_course_has_notebooks_00_to_07():
     assert [n[:2] for n in ALL] == [f"{i:02d}" for i in range(8)]
 
@@ -122,6 +143,16 @@ def test_notebook_runs_without_error(executed, name):
     nb = executed(name)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, f"{name}: {errors[0].ename}: {errors[0].evalue}"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_prediction_is_revealed_under_papermill(executed, name):
+    """Under papermill nobody types: each reveal still shows its measurement and says none was entered."""
+    nb = executed(name)
+    asked = [c for c in nb.cells if "predict" in c.metadata.get("tags", [])]
+    text = _text(nb)
+    assert text.count("No prediction entered") >= len(asked), f"{name}: a prediction was never revealed"
+    assert all(c.outputs for c in asked), f"{name}: a `predict` cell shows nothing"
 
 
 def test_01_ratios_and_budget(executed):
