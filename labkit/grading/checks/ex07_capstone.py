@@ -1,0 +1,413 @@
+"""Exercise 07, the capstone: the student's whole ZeRO-3, with prefetch, trained on 3 ranks by the lab's loop.
+
+The probe plugs the answers into the build-along's scaffold (`labkit.build.Pieces`, `Learner`) and trains
+them with `labkit.engines.loop.train_rank`, under the lab's probes, on a model the notebook never shows:
+its widths, depth and sequence length come from the seed and are uneven against 3 ranks. It returns what
+the probes measured (each rank's losses, bytes per collective, state bytes, the order of its all-gathers
+and block computes) and each rank's gradient shards after the first backward. The judge computes every
+reference itself: `single` trained in this process (losses, gradients), the ring formula and fp32 byte
+table of `labkit.budget` over the padded parameters (bytes, state), and each unit's padded size (what
+must be gathered before a block computes).
+
+Why the gradients and not only the losses: AdamW's update is invariant to a constant scale of the gradient
+(but for eps), so a reduce-scatter that forgets to divide by n trains to the same losses (measured: 3x the
+gradients moves tiny_uneven's first 5 losses by under 5e-7, relative). Its gradient shards are n x the mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+
+from labkit.grading.checks import Check, Exercise, answer, rng, tally, tensor_json
+
+RANKS = 3
+STEPS = 3
+LAUNCH_TIMEOUT_S = 120.0
+LOSS_REL_TOL = 1e-4
+GRAD_REL_TOL = 1e-4  # of the largest |gradient| of the parameter, float32 sums in another order
+PIECES = (
+    "shard",
+    "gather",
+    "before_forward",
+    "after_forward",
+    "before_backward",
+    "after_grad",
+    "make_optimizer",
+)
+FIRST_STEP_HINT = (
+    "the weights your gathers loaded are not the model's: is the receive buffer read rank-major, "
+    "parameter p's rows at recv.view(n, chunk)[:, offset : offset + shard numel]?"
+)
+_LOCK = threading.RLock()  # register() is called under it too
+
+
+# ------------------------------------------------------------------------------------ the hidden model
+
+
+def model_config(seed: int):
+    """The model the grader trains: tiny's kind of GPT, its dim-0 sizes (vocab, d_model, 4 d_model, seq_len)
+    not multiples of 3, so every rank's shards carry padding."""
+    from labkit.model import ModelConfig
+
+    r = rng(seed, "model")
+    d_model, n_heads = r.choice([(20, 4), (20, 5), (28, 4), (32, 4), (40, 5)])
+    return ModelConfig(
+        vocab_size=r.choice([37, 41, 43, 47, 53]),
+        d_model=d_model,
+        n_heads=n_heads,
+        n_layers=r.choice([2, 3]),
+        seq_len=r.choice([7, 8, 10, 11, 13]),
+        global_batch=6,
+    )
+
+
+def register(cfg) -> str:
+    """The name under which `cfg` is a model of `labkit.model` (added if new): the loop builds models by name."""
+    from labkit import model
+
+    name = (
+        f"capstone_v{cfg.vocab_size}_d{cfg.d_model}_h{cfg.n_heads}_l{cfg.n_layers}_t{cfg.seq_len}"
+        f"_b{cfg.global_batch}"
+    )
+    with _LOCK:
+        model.CONFIGS.setdefault(name, cfg)
+    return name
+
+
+def run_config(seed: int):
+    """The run: the lab's AdamW defaults, `STEPS` steps on `RANKS` ranks, the seed's model and batches."""
+    from labkit.engines.base import RunConfig
+
+    return RunConfig(model=register(model_config(seed)), world_size=RANKS, steps=STEPS, seed=seed)
+
+
+def _shapes(seed: int) -> dict[str, list[tuple[tuple[int, ...], str]]]:
+    """{unit name: [(shape, parameter name)]}: the root (everything outside the blocks), then each block."""
+    from labkit.build.scaffold import unit_params
+    from labkit.model import GPT
+
+    model = GPT(model_config(seed))
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {unit: [(tuple(p.shape), names[id(p)]) for p in params] for unit, _, params in unit_params(model)}
+
+
+def _padded_numel(seed: int, unit: str | None = None) -> int:
+    """Elements of the padded full parameters (of one unit, or all): what an all-gather fills."""
+    from labkit.budget import padded_numel
+
+    units = _shapes(seed)
+    chosen = units.values() if unit is None else [units[unit]]
+    return sum(padded_numel(shape, RANKS) for params in chosen for shape, _ in params)
+
+
+# --------------------------------------------------------------------------------------------- the probe
+
+
+class _FirstGrads:
+    """The student's after_grad, recording each unit's gradient shards the first time it returns."""
+
+    def __init__(self, after_grad):
+        self.after_grad = after_grad
+        self.grads: dict[str, dict] = {}
+
+    def __call__(self, unit) -> None:
+        self.after_grad(unit)
+        if unit.name in self.grads:
+            return
+        prefix = "" if unit.name == "root" else f"{unit.name}."
+        names = {id(p): prefix + n for n, p in unit.module.named_parameters()}
+        self.grads[unit.name] = {
+            names[id(p)]: None if s.grad is None else tensor_json(s.grad)
+            for p, s in zip(unit.params, unit.shards, strict=True)
+        }
+
+
+def _rank(pieces, seed: int) -> dict:
+    """On each rank: train the student's pieces with the lab's loop and keep what the judges need."""
+    from labkit.build.scaffold import Learner
+    from labkit.engines import loop
+
+    recorder = _FirstGrads(pieces.after_grad)
+    out = loop.train_rank(Learner(dataclasses.replace(pieces, after_grad=recorder)), run_config(seed))
+    last = STEPS - 1
+    order = [
+        [e["kind"], e["name"], e["start_s"]]
+        for e in out["timeline"]
+        if e["step"] == last
+        and (
+            (e["kind"] == "comm" and e["name"] == "all_gather")
+            or (e["kind"] == "compute" and e["name"].endswith(".forward"))
+        )
+    ]
+    return {
+        "losses": out["losses"],
+        "grads": {name: g for unit in recorder.grads.values() for name, g in unit.items()},
+        "comm": out["comm"][last],
+        "state_bytes": out["state_bytes"],
+        "gathers": [
+            [c["payload_bytes"], c["async_op"]] for c in out["collective_calls"] if c["kind"] == "all_gather"
+        ],
+        "order": order,
+    }
+
+
+_last_launch: dict = {}
+
+
+def _launch(ns: dict, seed: int) -> list[dict]:
+    """One training run serves the four probes: the result (or failure) is kept for the same answers."""
+    import labkit
+    from labkit.build.scaffold import Pieces
+
+    fns = tuple(answer(ns, name) for name in PIECES)
+    held_fns, held_seed = _last_launch.get("key", ((), None))
+    same = (
+        held_seed == seed
+        and len(held_fns) == len(fns)
+        and all(a is b for a, b in zip(held_fns, fns, strict=True))
+    )
+    if not same:
+        try:
+            import torch
+
+            fns[0](torch.zeros(4, 2), 0, RANKS)  # a stub raises here, with its own message, not from a rank
+            pieces = Pieces(**dict(zip(PIECES, fns, strict=True)))
+            _last_launch["outcome"] = labkit.launch(_rank, RANKS, pieces, seed, timeout=LAUNCH_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 (kept, so the other probes report the same failure)
+            _last_launch["outcome"] = e
+        _last_launch["key"] = (fns, seed)
+    outcome = _last_launch["outcome"]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def _training_probe(ns: dict, seed: int) -> list:
+    return [{"losses": r["losses"], "grads": r["grads"]} for r in _launch(ns, seed)]
+
+
+def _bytes_probe(ns: dict, seed: int) -> list:
+    return [r["comm"] for r in _launch(ns, seed)]
+
+
+def _state_probe(ns: dict, seed: int) -> list:
+    return [r["state_bytes"] for r in _launch(ns, seed)]
+
+
+def _prefetch_probe(ns: dict, seed: int) -> list:
+    return [{"gathers": r["gathers"], "order": r["order"]} for r in _launch(ns, seed)]
+
+
+# -------------------------------------------------------------------------------------------- the judges
+
+
+@functools.cache
+def _single_run(seed: int) -> tuple[tuple[float, ...], dict]:
+    """`single` on the seed's model: the loss of every step and the full gradients of the first."""
+    import torch
+
+    from labkit.engines.single import SingleEngine
+    from labkit.model import batch, build_model
+
+    cfg = run_config(seed)
+    engine = SingleEngine(build_model(cfg.model, cfg.seed), cfg, torch.device("cpu"))
+    losses, grads = [], {}
+    for step in range(cfg.steps):
+        tokens, targets = batch(step, cfg.model, cfg.seed)
+        loss = engine.forward_loss(tokens, targets)
+        engine.backward(loss)
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in engine.model.named_parameters()}
+        engine.optimizer_step()
+        losses.append(loss.item())
+    return tuple(losses), grads
+
+
+def single_reference(seed: int) -> tuple[tuple[float, ...], dict]:
+    """(losses per step, first-step gradients by parameter name) of `single` on the seed's run."""
+    with _LOCK:
+        return _single_run(seed)
+
+
+def _grad_case(seen: dict, grads: dict, rank: int) -> tuple[bool, str]:
+    """Rank `rank`'s gradient shards against its rows of single's gradient; the usual mistake named."""
+    import torch
+
+    from labkit.zero.sharding import shard_dim0
+
+    dot = norm = 0.0
+    problem = None
+    for name, full in grads.items():
+        want = shard_dim0(full.double(), rank, RANKS)
+        got = seen.get(name) if isinstance(seen, dict) else None
+        if got is None:
+            return False, f"rank {rank}: the shard of {name} had no .grad when after_grad returned"
+        if not isinstance(got, dict) or got.get("shape") != list(want.shape):
+            shape = got.get("shape") if isinstance(got, dict) else type(got).__name__
+            return (
+                False,
+                f"rank {rank}: the gradient shard of {name} has shape {shape}, want {list(want.shape)}",
+            )
+        values = torch.tensor(got["values"], dtype=torch.float64).view_as(want)
+        dot += float((values * want).sum())
+        norm += float((want * want).sum())
+        err = float((values - want).abs().max()) if want.numel() else 0.0
+        scale = float(full.abs().max())
+        if problem is None and not err <= GRAD_REL_TOL * scale + 1e-9:
+            problem = (
+                f"rank {rank}: the gradient shard of {name} differs from single's rows by up to {err:.3g}"
+            )
+    if problem is None:
+        return True, ""
+    ratio = dot / norm if norm else math.nan
+    if abs(ratio - RANKS) < 0.01 * RANKS:
+        problem += f" (it is {ratio:.2f} x the mean: divide the reduce-scatter's sum by n = {RANKS})"
+    return False, problem
+
+
+def _training_judge(got: list, seed: int) -> tuple[float, str]:
+    losses, grads = single_reference(seed)
+    cases = []
+    for step, want in enumerate(losses):
+        seen = sum(float(r["losses"][step]) for r in got) / RANKS
+        rel = abs(seen - want) / abs(want)
+        why = f"step {step}: loss {seen:.6f}, single's {want:.6f} (relative {rel:.1e} > {LOSS_REL_TOL:g})"
+        if step == 0:
+            why += f"; step 0 comes before any update, so {FIRST_STEP_HINT}"
+        cases.append((rel <= LOSS_REL_TOL, why))
+    for rank in range(RANKS):
+        cases.append(_grad_case(got[rank]["grads"], grads, rank))
+    fraction, feedback = tally(cases)
+    return fraction, f"losses of {STEPS} steps and each rank's first-step gradient shards: {feedback}"
+
+
+def expected_wire_bytes(seed: int) -> dict[str, int]:
+    """Per rank per step: 2 all-gathers (forward, backward) and 1 reduce-scatter of the padded fp32 weights."""
+    from labkit.budget import collective_wire_bytes
+
+    payload = _padded_numel(seed) * 4
+    return {
+        "all_gather": 2 * collective_wire_bytes("all_gather", payload, RANKS),
+        "reduce_scatter": collective_wire_bytes("reduce_scatter", payload, RANKS),
+    }
+
+
+def _bytes_judge(got: list, seed: int) -> tuple[float, str]:
+    want = expected_wire_bytes(seed)
+    payload = _padded_numel(seed) * 4
+    formula = {
+        "all_gather": f"2 x (n-1)/n x {payload:,} B of padded weights = {want['all_gather']:,} B",
+        "reduce_scatter": f"(n-1)/n x {payload:,} B of padded gradients = {want['reduce_scatter']:,} B",
+    }
+    cases = []
+    for rank, comm in enumerate(got):
+        for kind, bytes_ in want.items():
+            seen = comm.get(kind, {}).get("wire_bytes", 0)
+            cases.append(
+                (
+                    seen == bytes_,
+                    f"rank {rank}: {kind} sent {seen:,} B in a step, the formula {formula[kind]}",
+                )
+            )
+        for other in sorted(set(comm) - set(want)):  # a failing case each: nothing else earns anything
+            cases.append(
+                (False, f"rank {rank} also ran {other}: ZeRO-3 needs only all-gathers and reduce-scatters")
+            )
+    return tally(cases)
+
+
+def expected_state_bytes(seed: int) -> dict[str, int]:
+    """Per rank: 4 B/param of fp32 shards, 4 of gradient shards, 8 of AdamW's m and v, over padded sizes."""
+    from labkit.budget import PRECISIONS
+
+    per_param = PRECISIONS["fp32"]
+    elements = _padded_numel(seed) // RANKS
+    return {
+        "params": int(per_param["weights"] * elements),
+        "grads": int(per_param["grads"] * elements),
+        "optimizer": int((per_param["master"] + per_param["adam_m"] + per_param["adam_v"]) * elements),
+    }
+
+
+def _state_judge(got: list, seed: int) -> tuple[float, str]:
+    want = expected_state_bytes(seed)
+    n_tensors = sum(len(params) for params in _shapes(seed).values())
+    step_counters = 4 * n_tensors  # torch.optim.AdamW keeps a 4-byte step per tensor
+    cases = []
+    for rank, state in enumerate(got):
+        for key, bytes_ in want.items():
+            seen = state.get(key)
+            allowed = (bytes_, bytes_ + step_counters) if key == "optimizer" else (bytes_,)
+            hint = {
+                "params": "the shards only: free every full weight after its unit's gradients are reduced",
+                "grads": "the gradient shards only: set each full p.grad to None after the reduce-scatter",
+                "optimizer": "AdamW's m and v over the shards, not over the full parameters",
+            }[key]
+            cases.append(
+                (seen in allowed, f"rank {rank}: {key} {seen} B after a step, want {bytes_:,} B ({hint})")
+            )
+    return tally(cases)
+
+
+def _prefetch_case(seen: dict, seed: int, rank: int, block: int) -> tuple[bool, str]:
+    """Before blocks.{block} computes: the gathers issued cover the root and blocks 0..block+1, the last async."""
+    root = _padded_numel(seed, "root") * 4
+    per_block = _padded_numel(seed, "blocks.0") * 4
+    events = sorted(seen["order"], key=lambda e: float(e[2]))
+    start = next(
+        (float(e[2]) for e in events if e[0] == "compute" and e[1] == f"blocks.{block}.forward"), None
+    )
+    if start is None:
+        return False, f"rank {rank}: blocks.{block} never computed in the last step"
+    issued = sum(1 for e in events if e[0] == "comm" and float(e[2]) < start)
+    gathers = seen["gathers"][:issued]
+    covered = sum(int(g[0]) for g in gathers)
+    nxt = f"blocks.{block + 1}"
+    where = f"rank {rank}: when blocks.{block} started computing"
+    if covered < root + (block + 2) * per_block:
+        units = max(0, (covered - root) // per_block) if covered >= root else 0
+        return False, (
+            f"{where}, all-gathers had been issued for the root and {units} block(s), not yet for {nxt}: "
+            f"issue {nxt}'s gather in blocks.{block}'s before_forward (unit.next), before it computes"
+        )
+    if not gathers or gathers[-1][1] is not True:
+        return (
+            False,
+            f"{where}, {nxt}'s all-gather was synchronous: pass async_op=True and wait in its own before_forward",
+        )
+    return True, ""
+
+
+def _prefetch_judge(got: list, seed: int) -> tuple[float, str]:
+    n_blocks = model_config(seed).n_layers
+    cases = [
+        _prefetch_case(seen, seed, rank, block)
+        for rank, seen in enumerate(got)
+        for block in range(n_blocks - 1)
+    ]
+    return tally(cases)
+
+
+EXERCISE = Exercise(
+    "ex07_capstone",
+    "Capstone: your own ZeRO-3, with prefetch",
+    (
+        Check(
+            "training: losses and first-step gradient shards against single",
+            4,
+            _training_probe,
+            _training_judge,
+        ),
+        Check("wire bytes per collective against the ring formula", 2, _bytes_probe, _bytes_judge),
+        Check("state bytes per rank: 16 B/param/n over the padded shards", 2, _state_probe, _state_judge),
+        Check(
+            "prefetch: the next unit's all-gather issued, async, before this unit computes",
+            2,
+            _prefetch_probe,
+            _prefetch_judge,
+        ),
+    ),
+)
