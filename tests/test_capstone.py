@@ -1,0 +1,147 @@
+"""The capstone (exercise 07): the solution scores full marks, the pristine exercise 0 (graded, not an error),
+and three planted mistakes each lose the one check that catches them, with feedback naming the mistake.
+
+One `labkit grade DIR --gradebook` batch grades the five submissions (about a minute on two loaded cores with
+--jobs 3); the planted mistakes are edits of the solution's answer cells in temporary copies.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from test_grading import answer_checks, labkit_cli, lock_entry, read
+
+from labkit.grading.checks import ex07_capstone as capstone
+from labkit.grading.checks import judge_all, load
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "07_capstone.ipynb"
+EXERCISE = ROOT / "exercises" / "07_capstone.ipynb"
+BATCH_TIMEOUT_S = 240  # per submission; generous: 2 shared cores
+TRAINING, BYTES, STATE, PREFETCH = (c.name for c in load("ex07_capstone").checks)
+
+# mistake -> [(answer cell id, text of the solution, what the mistake writes instead)]
+PLANTED = {
+    "no_prefetch": [  # every unit gathers synchronously in its own before_forward
+        (
+            "answer-hooks",
+            "    if unit.next is not None:\n        start_gather(unit.next)  # on the wire while this unit computes\n",
+            "",
+        )
+    ],
+    "parameter_major": [  # the packed buffers laid out as if every rank's rows of parameter 0 came first
+        (
+            "answer-unit",
+            "rows = by_rank[:, offset : offset + s.numel()]",
+            "rows = recv[unit.n * offset : unit.n * (offset + s.numel())]",
+        ),
+        (
+            "answer-hooks",
+            "send = torch.cat(columns, dim=1)",
+            "send = torch.cat([c.reshape(-1) for c in columns])",
+        ),
+    ],
+    "no_mean": [("answer-hooks", "    mine /= n", "    pass")],  # the sum over ranks, not the mean
+}
+LOSES = {"no_prefetch": PREFETCH, "parameter_major": TRAINING, "no_mean": TRAINING}
+SAYS = {
+    "no_prefetch": "not yet for blocks.1",
+    "parameter_major": "rank-major",
+    "no_mean": "divide the reduce-scatter's sum by n",
+}
+
+
+def planted(mistake: str):
+    """The solution with `mistake` planted into its answer cells (each edit must find its text)."""
+    nb = read(SOLUTION)
+    for cell_id, old, new in PLANTED[mistake]:
+        cell = next(c for c in nb.cells if c.id == cell_id)
+        assert old in cell.source, (mistake, cell_id, old)
+        cell.source = cell.source.replace(old, new)
+    return nb
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("capstone")
+    folder = root / "submissions"
+    folder.mkdir()
+    nbformat.write(read(SOLUTION), folder / "solution.ipynb")
+    nbformat.write(read(EXERCISE), folder / "pristine.ipynb")
+    for mistake in PLANTED:
+        nbformat.write(planted(mistake), folder / f"{mistake}.ipynb")
+    gradebook = root / "grades.csv"
+    start = time.monotonic()
+    done = labkit_cli(
+        "grade", str(folder), "--gradebook", str(gradebook), "--timeout", str(BATCH_TIMEOUT_S), "--jobs", "3"
+    )
+    print(f"\ncapstone batch of 5: {time.monotonic() - start:.1f} s")
+    assert done.returncode == 0, done.stderr
+    with open(gradebook, newline="") as f:
+        files = [row["file"] for row in csv.DictReader(f)]
+    out = root / "grades-reports"
+    return {
+        name.removesuffix(".ipynb"): json.loads((out / name.replace(".ipynb", ".report.json")).read_text())
+        for name in files
+    }
+
+
+@pytest.mark.timeout(600)
+def test_the_solution_scores_full_marks_well_under_a_minute(reports):
+    r = reports["solution"]
+    assert r["status"] == "graded", r["reason"]
+    assert r["score"] == r["max_score"] == 10, r["checks"]
+    assert all(c["passed"] for c in r["checks"])
+    times = r["timings_s"]
+    print(f"solution: {r['runtime_s']:.1f} s ({times})")
+    assert times["answers"] + times["judge"] < 30, times  # the notebook's own run is the rest
+
+
+def test_the_pristine_exercise_scores_zero_and_is_graded(reports):
+    r = reports["pristine"]
+    assert r["status"] == "graded", r["reason"]
+    assert r["score"] == 0 and r["max_score"] == 10
+    assert lock_entry(r)["passed"]
+    assert all("NotImplementedError" in c["feedback"] for c in answer_checks(r)), r["checks"]
+
+
+@pytest.mark.parametrize("mistake", list(PLANTED))
+def test_each_planted_mistake_loses_its_check_and_only_it(reports, mistake):
+    r = reports[mistake]
+    assert r["status"] == "graded", r["reason"]
+    assert lock_entry(r)["passed"]  # only answer cells were edited
+    for c in answer_checks(r):
+        if c["name"] == LOSES[mistake]:
+            assert not c["passed"] and c["points"] < c["max_points"], (mistake, c)
+            assert SAYS[mistake] in c["feedback"], (mistake, c["feedback"])
+        else:
+            assert c["passed"], (mistake, c)
+    assert r["score"] < r["max_score"]
+
+
+def test_the_hidden_models_are_uneven_against_3_ranks_and_not_tiny():
+    from labkit.model import config
+
+    for seed in range(40):
+        cfg = capstone.model_config(seed)
+        assert cfg != config("tiny") and cfg.n_layers >= 2 and cfg.global_batch % capstone.RANKS == 0
+        for rows in (cfg.vocab_size, cfg.d_model, cfg.d_mlp, cfg.seq_len):
+            assert rows % capstone.RANKS, (seed, cfg)
+
+
+def test_forged_or_malformed_observations_earn_nothing():
+    exercise = load("ex07_capstone")
+    forged = {
+        TRAINING: {"value": [{"losses": [4.0] * capstone.STEPS, "grads": {}}] * capstone.RANKS},
+        BYTES: {"value": [{"all_gather": {"wire_bytes": 1}, "reduce_scatter": {"wire_bytes": 1}}] * 3},
+        STATE: {"value": [{"params": 0, "grads": 0, "optimizer": 0}] * capstone.RANKS},
+        PREFETCH: {"value": [{"gathers": [], "order": []}] * capstone.RANKS},
+    }
+    malformed = {c.name: {"value": {"score": 10}} for c in exercise.checks}
+    for observations in (forged, malformed, {"score": 10}, {}):
+        assert sum(e["points"] for e in judge_all(exercise, observations, seed=5)) == 0
