@@ -205,7 +205,7 @@ def test_calculator_runs_and_follows_its_slider_in_jupyterlab(open_page, tmp_pat
             assert errors.count() == 0, f"a cell wrote to stderr or raised:\n{errors.first.inner_text()}"
             p = budget.plan(30e9, 256, "ddp")
             assert f"total: {p['state_bytes_per_rank'] / 30e9:g} B/param" in cells.nth(1).inner_text()
-            bars = cells.nth(2)
+            bars = cells.filter(has_text="static state of the whole model")
             for strategy in ("ddp", "zero1", "zero2", "zero3"):
                 state = budget.plan(30e9, 256, strategy)["state_bytes_per_rank"]
                 assert f"{strategy:>5}: {budget.format_bytes(state)} per rank" in bars.inner_text()
@@ -256,6 +256,78 @@ def test_calculator_runs_and_follows_its_slider_in_jupyterlab(open_page, tmp_pat
             assert _shown_png(figure) == expected, f"the figure is not the plan of {next_ranks} ranks"
             widget.screenshot(path=str(shots / "calculator-after.png"))
     print(f"screenshots: {shots}/lab-01_memory-ran.png, calculator-before.png, calculator-after.png")
+
+
+BUILD_ALONG = ROOT / "notebooks" / "02_zero3_from_scratch.ipynb"
+# What a learner types into step 1's try-it-yourself cell: a shard that forgets the padding.
+NO_PADDING_SHARD = """mine = True
+if mine:
+
+    def shard(full, rank, n):
+        rows = full.shape[0] // n
+        return full[rank * rows : (rank + 1) * rows].float().clone()
+"""
+
+
+def test_the_build_along_runs_and_its_check_names_a_learners_mistake_in_jupyterlab(open_page, tmp_path):
+    """02 in JupyterLab: every step's check passes on the filled pieces; then a learner's own shard without
+    padding, typed into step 1's try-it-yourself cell, makes step 1's check name the mistake."""
+    page = open_page()
+    notebook_dir = tmp_path / "notebooks"
+    notebook_dir.mkdir()
+    nb = json.loads(BUILD_ALONG.read_text())
+    nb["metadata"]["kernelspec"] = {"name": KERNEL, "display_name": KERNEL, "language": "python"}
+    copy = notebook_dir / BUILD_ALONG.name
+    copy.write_text(json.dumps(nb, indent=1))
+    sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    check_cells = [i for i, src in enumerate(sources) if re.search(r"^\w+_check = checks\.check_", src, re.M)]
+    assert len(check_cells) == 6, "02 should have one check per build step"
+    stub = next(i for i, src in enumerate(sources) if src.startswith("mine = False") and "def shard(" in src)
+    shots = artifacts_dir()
+    with running_lab(tmp_path, tmp_path / "lab") as (base, token):
+        kernel_name = page.request.get(f"{base}/api/kernelspecs?token={token}").json()["kernelspecs"][KERNEL]
+        with step(page, "open 02, kernel idle"):
+            page.goto(f"{base}/lab/tree/{copy.name}?token={token}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell")
+            page.wait_for_function(
+                "t => document.querySelector('#jp-main-statusbar')?.innerText.includes(t)",
+                arg=f"{kernel_name['spec']['display_name']} | Idle",
+                timeout=STEP_TIMEOUT_MS,
+            )
+        with step(page, "run all cells of the build-along"):
+            page.locator(".lm-MenuBar-itemLabel:text-is('Run')").click()
+            page.locator(".lm-Menu-itemLabel:text-is('Run All Cells')").click()
+            page.wait_for_function(
+                """n => { const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
+                          return p.length === n
+                                 && p.every(e => /^\\[\\d+\\]:$/.test(e.textContent.trim())); }""",
+                arg=len(sources),
+                timeout=4 * RUN_TIMEOUT_MS,
+            )
+        cells = page.locator(".jp-CodeCell")
+        with step(page, "every step's check passed"):
+            for i in check_cells:  # JupyterLab renders only the cells near the view: scroll to each
+                cells.nth(i).scroll_into_view_if_needed()
+                output = cells.nth(i).locator(".jp-OutputArea-output").first
+                output.wait_for(timeout=STEP_TIMEOUT_MS)
+                text = output.inner_text()
+                assert text.lstrip().startswith("✓"), f"code cell {i}: {text[:300]}"
+            page.screenshot(path=str(shots / "lab-02_build-along-ran.png"))
+        with step(page, "a learner's shard without padding"):
+            cells.nth(stub).scroll_into_view_if_needed()
+            editor = cells.nth(stub).locator(".cm-content")
+            editor.click()
+            page.keyboard.press("Control+A")
+            page.keyboard.insert_text(NO_PADDING_SHARD)
+            page.keyboard.press("Shift+Enter")  # runs the stub and moves to the check cell
+            page.keyboard.press("Shift+Enter")  # runs the check
+            verdict = cells.nth(check_cells[0]).locator(".jp-OutputArea")
+            page.wait_for_function(
+                "e => e.innerText.includes('✗')", arg=verdict.element_handle(), timeout=RUN_TIMEOUT_MS
+            )
+            text = verdict.inner_text()
+            assert "ceil(" in text and "zero-padded" in text, text[:400]
+            cells.nth(check_cells[0]).screenshot(path=str(shots / "lab-02_shard-check-names-the-mistake.png"))
 
 
 def _leaf_slides(page) -> int:
