@@ -86,12 +86,11 @@ def run_config(seed: int):
 
 def _shapes(seed: int) -> dict[str, list[tuple[tuple[int, ...], str]]]:
     """{unit name: [(shape, parameter name)]}: the root (everything outside the blocks), then each block."""
-    from labkit.build.scaffold import unit_params
     from labkit.model import GPT
+    from labkit.zero.hooks import model_units
 
-    model = GPT(model_config(seed))
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {unit: [(tuple(p.shape), names[id(p)]) for p in params] for unit, _, params in unit_params(model)}
+    units = model_units(GPT(model_config(seed)))
+    return {unit: [(tuple(p.shape), name) for name, p in params] for unit, _, params in units}
 
 
 def _padded_numel(seed: int, unit: str | None = None) -> int:
