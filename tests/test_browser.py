@@ -107,6 +107,33 @@ def step(page, name: str):
     print(f"{name}: {time.perf_counter() - start_s:.1f} s")
 
 
+def open_and_run_all(page, base: str, token: str, copy, timeout_ms: int) -> None:
+    """Open `copy` in JupyterLab on the `labkit` kernel, wait for it idle, run all cells, wait for them all."""
+    specs = page.request.get(f"{base}/api/kernelspecs?token={token}").json()["kernelspecs"]
+    assert KERNEL in specs, (
+        f"the {KERNEL!r} Jupyter kernel is not registered (found {sorted(specs)}); run `make setup`"
+    )
+    kernel_name = specs[KERNEL]["spec"]["display_name"]
+    with step(page, f"open {copy.name}, kernel idle"):
+        page.goto(f"{base}/lab/tree/{copy.name}?token={token}")
+        page.wait_for_selector(".jp-Notebook .jp-Cell")
+        page.wait_for_function(
+            "t => document.querySelector('#jp-main-statusbar')?.innerText.includes(t)",
+            arg=f"{kernel_name} | Idle",
+            timeout=STEP_TIMEOUT_MS,
+        )
+    with step(page, f"run all cells of {copy.name}"):
+        page.locator(".lm-MenuBar-itemLabel:text-is('Run')").click()
+        page.locator(".lm-Menu-itemLabel:text-is('Run All Cells')").click()
+        page.wait_for_function(
+            """n => { const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
+                      return p.length === n
+                             && p.every(e => /^\\[\\d+\\]:$/.test(e.textContent.trim())); }""",
+            arg=sum(c["cell_type"] == "code" for c in json.loads(copy.read_text())["cells"]),
+            timeout=timeout_ms,
+        )
+
+
 def _table_rows(table) -> list[tuple[str, str, str]]:
     """The calculator's table as `budget.summary_rows` spells it: (section, quantity, value)."""
     cells = table.evaluate("t => [...t.rows].map(r => [...r.cells].map(c => c.innerText.trim()))")
@@ -173,31 +200,7 @@ def test_calculator_runs_and_follows_its_slider_in_jupyterlab(open_page, tmp_pat
     copy = notebook_copy(NOTEBOOK, notebook_dir, CALCULATOR_CALL)
     shots = artifacts_dir()
     with running_lab(tmp_path, tmp_path / "lab") as (base, token):  # serves tmp_path/notebooks
-        specs = page.request.get(f"{base}/api/kernelspecs?token={token}").json()["kernelspecs"]
-        assert KERNEL in specs, (
-            f"the {KERNEL!r} Jupyter kernel is not registered (found {sorted(specs)}); run `make setup`"
-        )
-        kernel_name = specs[KERNEL]["spec"]["display_name"]
-
-        with step(page, "open the notebook, kernel idle"):
-            page.goto(f"{base}/lab/tree/{copy.name}?token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell")
-            page.wait_for_function(
-                "t => document.querySelector('#jp-main-statusbar')?.innerText.includes(t)",
-                arg=f"{kernel_name} | Idle",
-                timeout=STEP_TIMEOUT_MS,
-            )
-
-        with step(page, "run all cells"):
-            page.locator(".lm-MenuBar-itemLabel:text-is('Run')").click()
-            page.locator(".lm-Menu-itemLabel:text-is('Run All Cells')").click()
-            page.wait_for_function(
-                """n => { const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
-                          return p.length === n
-                                 && p.every(e => /^\\[\\d+\\]:$/.test(e.textContent.trim())); }""",
-                arg=sum(c["cell_type"] == "code" for c in json.loads(copy.read_text())["cells"]),
-                timeout=RUN_TIMEOUT_MS,
-            )
+        open_and_run_all(page, base, token, copy, RUN_TIMEOUT_MS)
 
         cells = page.locator(".jp-CodeCell")
         with step(page, "outputs rendered"):
@@ -285,31 +288,15 @@ def test_the_build_along_runs_and_its_check_names_a_learners_mistake_in_jupyterl
     stub = next(i for i, src in enumerate(sources) if src.startswith("mine = False") and "def shard(" in src)
     shots = artifacts_dir()
     with running_lab(tmp_path, tmp_path / "lab") as (base, token):
-        kernel_name = page.request.get(f"{base}/api/kernelspecs?token={token}").json()["kernelspecs"][KERNEL]
-        with step(page, "open 02, kernel idle"):
-            page.goto(f"{base}/lab/tree/{copy.name}?token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell")
-            page.wait_for_function(
-                "t => document.querySelector('#jp-main-statusbar')?.innerText.includes(t)",
-                arg=f"{kernel_name['spec']['display_name']} | Idle",
-                timeout=STEP_TIMEOUT_MS,
-            )
-        with step(page, "run all cells of the build-along"):
-            page.locator(".lm-MenuBar-itemLabel:text-is('Run')").click()
-            page.locator(".lm-Menu-itemLabel:text-is('Run All Cells')").click()
-            page.wait_for_function(
-                """n => { const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
-                          return p.length === n
-                                 && p.every(e => /^\\[\\d+\\]:$/.test(e.textContent.trim())); }""",
-                arg=len(sources),
-                timeout=4 * RUN_TIMEOUT_MS,
-            )
+        open_and_run_all(page, base, token, copy, 4 * RUN_TIMEOUT_MS)
         cells = page.locator(".jp-CodeCell")
         with step(page, "every step's check passed"):
             for i in check_cells:  # JupyterLab renders only the cells near the view: scroll to each
                 cells.nth(i).scroll_into_view_if_needed()
-                output = cells.nth(i).locator(".jp-OutputArea-output").first
-                output.wait_for(timeout=STEP_TIMEOUT_MS)
+                output = cells.nth(i).locator(".jp-OutputArea")
+                page.wait_for_function(  # laid out once in view: its text appears then
+                    "e => /[✓✗]/.test(e.innerText)", arg=output.element_handle(), timeout=STEP_TIMEOUT_MS
+                )
                 text = output.inner_text()
                 assert text.lstrip().startswith("✓"), f"code cell {i}: {text[:300]}"
             page.screenshot(path=str(shots / "lab-02_build-along-ran.png"))
