@@ -10,7 +10,9 @@ Pure Python: no torch, no numpy. Bytes are bytes (1 GB = 1e9 B), times are secon
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from functools import cached_property
@@ -165,7 +167,9 @@ class InputSpec(NamedTuple):
 
     kind: "count" (a whole number, at least `low`; a `rounded` one takes a float such as 1.5e9 / 7),
     "number" (more than 0, at most `upper`), "choice" (one of `choices`) or "switch" (on or off). A count
-    whose default is None may be None. `example` is what an error message suggests.
+    whose default is None may be None. `example` is what an error message suggests. `assumption` marks an
+    input the step time rests on (printed with every plan and listed by `labkit budget --help`); `flag` is
+    the CLI's name for it when not `--` + the name with dashes.
     """
 
     kind: str
@@ -176,6 +180,8 @@ class InputSpec(NamedTuple):
     upper: float | None = None
     low: int = 1
     rounded: bool = False
+    assumption: bool = False
+    flag: str = ""
 
 
 _REQUIRED = MISSING
@@ -196,6 +202,13 @@ def _choice(default: str, choices: tuple[str, ...], help: str):
 
 def _switch(default: bool, help: str):
     return field(default=default, metadata={"spec": InputSpec("switch", "", help)})
+
+
+# CPU Adam's updates per second on one rank: a placeholder until the measurement of DeepSpeedCPUAdam and
+# labkit's host AdamW on this machine lands in benchmarks/results.md. DeepSpeed reports its CPU-Adam step
+# for an 11.6B-parameter model in 8.2 s on a dual-socket host (deepspeedai/DeepSpeed#735): 1.4e9 params/s
+# for the whole host. The 8 ranks of a node share it: 1.77e8 each, rounded down to 1.5e8.
+HOST_ADAM_PARAMS_PER_S = 1.5e8
 
 
 @dataclass(frozen=True)
@@ -237,14 +250,40 @@ class PlanInputs:
     largest_layer_params: int = _count(
         0, "parameters", "largest layer, for the gathered-buffer memory", "50e6", low=0
     )
-    layers: int = _count(32, "layers", "layers of the prefetch overlap model")
-    tokens_per_rank: float = _number(16384, "tokens", "tokens one rank trains on per step")
-    peak_tflops: float = _number(989.0, "TFLOP/s", "peak compute per rank")
-    mfu: float = _number(0.4, "fraction", "model FLOP utilisation, 0 < mfu <= 1", upper=1.0)
-    link_gbytes: float = _number(50.0, "GB/s", "inter-node bandwidth per rank (NIC)")
-    intra_gbytes: float = _number(450.0, "GB/s", "intra-node bandwidth per rank (NVLink)")
-    host_gbytes: float = _number(25.0, "GB/s", "GPU <-> host bandwidth (PCIe)")
-    nvme_gbytes: float = _number(5.0, "GB/s", "host <-> NVMe bandwidth")
+    layers: int = _count(32, "layers", "transformer layers: the prefetch overlap model, the activations")
+    tokens_per_rank: float = _number(16384, "tokens", "tokens one rank trains on per step", assumption=True)
+    peak_tflops: float = _number(989.0, "TFLOP/s", "peak compute per rank", assumption=True)
+    mfu: float = _number(0.4, "fraction", "model FLOP utilisation, 0 < mfu <= 1", upper=1.0, assumption=True)
+    link_gbytes: float = _number(50.0, "GB/s", "inter-node bandwidth per rank (NIC)", assumption=True)
+    intra_gbytes: float = _number(450.0, "GB/s", "intra-node bandwidth per rank (NVLink)", assumption=True)
+    host_gbytes: float = _number(25.0, "GB/s", "GPU <-> host bandwidth (PCIe)", assumption=True)
+    nvme_gbytes: float = _number(5.0, "GB/s", "host <-> NVMe bandwidth", assumption=True)
+    host_adam_params_per_s: float = _number(
+        HOST_ADAM_PARAMS_PER_S,
+        "params/s",
+        "CPU Adam's updates per second on one rank (its share of the node's host); a placeholder from "
+        "DeepSpeed's own report until benchmarks/results.md measures it",
+        assumption=True,
+    )
+    gpu_memory_bytes: int = _count(
+        80_000_000_000, "bytes", "memory of one GPU, for the verdict (an H100: 80 GB)", "80GB", rounded=True,
+        flag="--gpu-memory",
+    )  # fmt: skip
+    host_memory_bytes: int = _count(
+        2_000_000_000_000, "bytes", "host RAM of one node, for the offload verdict (a DGX H100: 2 TB)", "2TB",
+        rounded=True, flag="--host-memory",
+    )  # fmt: skip
+    hidden_size: int = _count(
+        0, "elements", "model width h, for the activations (0: activations left out)", "8192", low=0
+    )
+    attention_heads: int = _count(32, "heads", "attention heads (each saves a logsumexp per token)")
+    seq_len: int = _count(4096, "tokens", "tokens per sequence, for the activations")
+    micro_batch: int = _count(1, "sequences", "sequences per forward on one rank, for the activations")
+    vocab_size: int = _count(32000, "tokens", "vocabulary: the logits and the loss's activations")
+    activation_checkpointing: bool = _switch(
+        False,
+        "keep only each block's input; recompute a block in backward (one more forward: 8N FLOPs/token)",
+    )
     accounting: str = _choice(
         "paper",
         ACCOUNTINGS,
@@ -390,6 +429,52 @@ def _field_checks() -> tuple:
 _CHECKS = _field_checks()
 
 
+# ---- sizes as typed ----------------------------------------------------------------------------------------
+
+# suffix -> scale, by what a unit counts. Decimal prefixes (1 GB = 1e9 B; k, M, G, T, P in either case) and
+# binary ones (GiB = 2**30 B); a byte is a capital B, as a small b is a bit (a 400 Gb/s NIC moves 50 GB/s).
+_PREFIXES = {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_BYTE_SCALES = {
+    "": 1, "B": 1,
+    **{c + end: v for p, v in _PREFIXES.items() for c in {p.lower(), p.upper()} for end in ("", "B")},
+    **{c + "iB": 2 ** (10 * (i + 1)) for i, p in enumerate("KMGT") for c in {p, p.lower()}},
+}  # fmt: skip
+_BANDWIDTH_SCALES = {"": 1, "MB/s": 1e-3, "GB/s": 1, "TB/s": 1e3}  # in GB/s
+_COUNT_SCALES = {"": 1, "k": 1e3, "K": 1e3, "m": 1e6, "M": 1e6, "b": 1e9, "B": 1e9, "t": 1e12, "T": 1e12}
+_COUNTED = ("parameters", "ranks", "tokens", "elements", "layers", "heads", "sequences")
+_QUANTITY = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za-z/]*)\s*")
+
+
+def _scales(unit: str) -> tuple[dict[str, float], str]:
+    """The suffixes a quantity of `unit` may carry, and how an error message shows them."""
+    if unit == "bytes":
+        return _BYTE_SCALES, "such as 80GB, 80e9 or 512GiB (decimal: 1 GB = 1e9 B; a capital B for bytes)"
+    if unit == "GB/s":
+        return (
+            _BANDWIDTH_SCALES,
+            "in bytes per second, such as 50, 50GB/s or 1.6TB/s (400 Gb/s of bits is 50GB/s)",
+        )
+    if unit in _COUNTED:
+        return _COUNT_SCALES, "such as 70B, 125M, 16k or 7e9 (k, M, B, T: decimal)"
+    if unit == "params/s":
+        return {**_COUNT_SCALES, **{k + "/s": v for k, v in _COUNT_SCALES.items()}}, "such as 150M or 1.5e8"
+    return {"": 1, unit: 1}, f"a plain number{f' of {unit}' if unit else ''}"
+
+
+def parse_quantity(text: str, unit: str) -> float:
+    """`text` as typed for an input measured in `unit`, its size suffix applied: the one parser of the CLI.
+
+    Bytes take decimal prefixes (`80GB` = 8e10, `2TB`) or binary ones (`512GiB` = 512 x 2**30); counts
+    (parameters, tokens, ...) take k, M, B, T (`70B` = 7e10 parameters); bandwidths are GB/s (`50GB/s`,
+    `1.6TB/s` = 1600). Raises ValueError with one sentence that says what would do.
+    """
+    scales, examples = _scales(unit)
+    match = _QUANTITY.fullmatch(str(text))
+    if match is None or match.group(2) not in scales:
+        raise ValueError(f"{text!r} is not a number of {unit or 'this input'}; write one {examples}.")
+    return float(match.group(1)) * scales[match.group(2)]
+
+
 # ---- memory ------------------------------------------------------------------------------------------------
 
 
@@ -471,6 +556,119 @@ def _memory_summary(p: PlanInputs, mem: Memory) -> dict:
         "nvme_bytes_total": sum(mem.nvme.values()) * n,
         "transient_bytes_per_rank": transient,
         "gpu_bytes_per_rank": state_bytes_per_rank + sum(transient.values()),
+    }
+
+
+# ---- activations --------------------------------------------------------------------------------------------
+
+ACTIVATION_PARTS = ("layers", "recomputed_layer", "block_gradients", "head", "loss_gradients", "inputs")
+_INDEX_BYTES = 8  # int64 token ids, targets and positions
+_LOSS_BYTES = 4  # the lab's loss runs in fp32 (`loss_fn(logits.float(), ...)`), so do the logits' gradients
+
+
+def activation_elem_bytes(precision: str) -> int:
+    """Bytes of one activation in the compute dtype: 4 for fp32, 2 for the bf16/fp16 recipes."""
+    return 4 if precision == "fp32" else 2
+
+
+def layer_activation_bytes(tokens: int, hidden_size: int, heads: int, elem_bytes: int) -> int:
+    """Bytes one block of `labkit.model.Block` saves for backward, for `tokens` = micro-batch x seq_len.
+
+    Per token: 16 h-wide tensors in the compute dtype (the block's input, ln1's output, the q|k|v
+    projection (3 h, one storage), the attention's output (h, which proj reads as a view), the residual after
+    attention, ln2's output, the MLP's hidden before and after GELU (4 h each)), the two LayerNorms' fp32
+    mean and rstd (16 B), and SDPA's fp32 logsumexp per head (4 a B). No s x s matrix: torch's CPU SDPA
+    (flash kernel) and the GPU's flash / memory-efficient kernels save only the logsumexp.
+    """
+    return tokens * (16 * hidden_size * elem_bytes + 16 + 4 * heads)
+
+
+def activation_bytes(p: PlanInputs) -> tuple[dict[str, int], str]:
+    """The activation peak of one micro-batch on one rank, by part (bytes), and the moment it is reached.
+
+    Two moments compete, each on top of the L layers' saved activations (with checkpointing only each
+    block's input, T x h): the loss's backward (the head's saved tensors: the last block's output, ln_f's
+    output and its stats, the fp32 log-softmax; and two fp32 logits gradients, T x V each), or the last
+    block's backward (its gradient in and its MLP's hidden gradient, 5 T x h; with checkpointing the block
+    recomputed whole). Plus the batch's int64 ids. All zero with hidden_size=0 (not modelled).
+    """
+    parts = dict.fromkeys(ACTIVATION_PARTS, 0)
+    if not p.hidden_size:
+        return parts, ""
+    e, h, s = activation_elem_bytes(p.precision), p.hidden_size, p.seq_len
+    tokens = p.micro_batch * s
+    full = layer_activation_bytes(tokens, h, p.attention_heads, e)
+    kept = tokens * h * e if p.activation_checkpointing else full
+    common = {"layers": p.layers * kept, "inputs": (2 * tokens + s) * _INDEX_BYTES}
+    at_loss = {
+        "head": tokens * (2 * h * e + 8 + p.vocab_size * _LOSS_BYTES),
+        "loss_gradients": 2 * tokens * p.vocab_size * _LOSS_BYTES,
+    }
+    at_block = {
+        "recomputed_layer": full - kept if p.activation_checkpointing else 0,
+        "block_gradients": 5 * tokens * h * e,
+    }
+    if sum(at_loss.values()) >= sum(at_block.values()):
+        return {**parts, **common, **at_loss}, "loss backward"
+    return {**parts, **common, **at_block}, "last block's backward"
+
+
+# ---- does it fit? ----------------------------------------------------------------------------------------
+
+
+def host_bytes_per_node(p: PlanInputs, mem: Memory) -> int:
+    """Host RAM one node needs for its ranks' offloaded state (bytes): the ranks of a node share it."""
+    return sum(mem.host.values()) * min(p.gpus_per_node, p.world_size)
+
+
+def _to_nvme(p: PlanInputs) -> PlanInputs:
+    """The same plan with every host offload sent to NVMe instead (what is left in host RAM then)."""
+    swap = {name: "nvme" for name in ("offload_optimizer", "offload_params") if getattr(p, name) == "cpu"}
+    return dataclasses.replace(p, **swap)
+
+
+def _host_verdict(p: PlanInputs, host: int) -> str:
+    """One sentence: does the node's offloaded state (`host` bytes) fit its RAM, and if not, would NVMe?"""
+    fmt, ram = format_bytes, f"{format_bytes(p.host_memory_bytes)} of host RAM"
+    if host <= p.host_memory_bytes:
+        return f"fits: {fmt(host)} per node of {ram}, {fmt(p.host_memory_bytes - host)} to spare"
+    over = f"does not fit: {fmt(host)} per node is {fmt(host - p.host_memory_bytes)} more than {ram}"
+    if "cpu" not in (p.offload_optimizer, p.offload_params):
+        return f"{over}, even with the optimizer on NVMe"
+    left = host_bytes_per_node(p, memory_terms(_to_nvme(p)))  # the fp32 gradient shards stay in RAM
+    if left <= p.host_memory_bytes:
+        return f"{over}; only NVMe fits (offload to nvme leaves {fmt(left)} per node in host RAM)"
+    return f"{over}; not even NVMe does ({fmt(left)} per node stays in host RAM)"
+
+
+def fit_verdict(p: PlanInputs, mem: Memory, gpu_bytes_per_rank: int, activations: int) -> dict:
+    """Does one rank fit its GPU (state + transient buffers + activations), and one node's offload its RAM?"""
+    gpu, host, fmt = p.gpu_memory_bytes, host_bytes_per_node(p, mem), format_bytes
+    needed = gpu_bytes_per_rank + activations
+    fits_gpu = needed <= gpu
+    held = f"{fmt(gpu_bytes_per_rank)} state and buffers" + (
+        f" + {fmt(activations)} activations" if activations else ""
+    )
+    if fits_gpu:
+        spare = "to spare" if p.hidden_size else "left for activations"
+        gpu_verdict = f"fits: {held} per rank of {fmt(gpu)}, {fmt(gpu - needed)} {spare}"
+    else:
+        before = "" if p.hidden_size else ", before activations"
+        gpu_verdict = f"does not fit: {held} per rank is {fmt(needed - gpu)} more than {fmt(gpu)}{before}"
+    fits_host = host <= p.host_memory_bytes
+    return {
+        "gpu_memory_bytes": gpu,
+        "gpu_needed_bytes_per_rank": needed,
+        "gpu_left_for_activations_bytes": gpu - gpu_bytes_per_rank,
+        "gpu_headroom_bytes": gpu - needed,
+        "fits_gpu_memory": fits_gpu,
+        "gpu_verdict": gpu_verdict,
+        "host_memory_bytes": p.host_memory_bytes,
+        "host_bytes_per_node": host,
+        "host_headroom_bytes": p.host_memory_bytes - host,
+        "fits_host_memory": fits_host,
+        "host_verdict": _host_verdict(p, host) if host else "",
+        "fits": fits_gpu and fits_host,
     }
 
 
@@ -659,15 +857,29 @@ def unhidden_comm_share(root_params: int, block_params: Sequence[int]) -> float:
     return (3 * root_params + 2 * block_params[0] + block_params[-1]) / total
 
 
-def step_time(p: PlanInputs, terms: list[Term], offload_time_s: float) -> dict[str, float]:
+def host_optimizer_time_s(p: PlanInputs, mem: Memory) -> float:
+    """CPU Adam's own seconds per step when the optimizer is offloaded: this rank's params / its rate.
+
+    The host updates this rank's optimizer shard (`mem.elems["master"]` parameters) at
+    `host_adam_params_per_s` after the gradients have come down; the GPU waits (no one-step-delayed update).
+    """
+    if p.offload_optimizer == "none":
+        return 0.0
+    return mem.elems["master"] / p.host_adam_params_per_s
+
+
+def step_time(p: PlanInputs, terms: list[Term], offload_time_s: float, host_adam_s: float = 0.0) -> dict:
     """Compute time, serial and exposed comm (with and without prefetch) and the step, in seconds.
 
-    Compute is 6 N tokens / (peak x MFU), a third forward and two thirds backward; each phase's collectives
-    overlap its compute by `_overlap_exposed_s`; the after-step all-gather and the offload do not overlap.
+    Compute is 6 N tokens / (peak x MFU), a third forward and two thirds backward (activation checkpointing
+    adds a forward inside the backward: 8 N tokens); each phase's collectives overlap its compute by
+    `_overlap_exposed_s`; the after-step all-gather, the offload transfers and CPU Adam do not overlap.
     """
-    flops = 6.0 * p.params * p.tokens_per_rank
+    per_token = 8.0 if p.activation_checkpointing else 6.0
+    flops = per_token * p.params * p.tokens_per_rank
     compute_time_s = flops / (p.peak_tflops * 1e12 * p.mfu)
-    fwd_k, bwd_k = compute_time_s / 3, 2 * compute_time_s / 3
+    fwd_k = 2 * compute_time_s / per_token
+    bwd_k = compute_time_s - fwd_k
     by_phase = {"forward": 0.0, "backward_gather": 0.0, "backward_reduce": 0.0, "step": 0.0}
     time_by_link = dict.fromkeys(LINKS, 0.0)
     for t in terms:
@@ -699,7 +911,8 @@ def step_time(p: PlanInputs, terms: list[Term], offload_time_s: float) -> dict[s
         "exposed_comm_prefetch_s": exposed_prefetch,
         "exposed_comm_no_prefetch_s": exposed_no_prefetch,
         "offload_time_s": offload_time_s,
-        "step_time_s": compute_time_s + exposed + offload_time_s,
+        "host_optimizer_time_s": host_adam_s,
+        "step_time_s": compute_time_s + exposed + offload_time_s + host_adam_s,
     }
 
 
@@ -709,7 +922,9 @@ def step_time(p: PlanInputs, terms: list[Term], offload_time_s: float) -> dict[s
 _ECHOED = (
     "reshard_after_forward", "prefetch", "qwz", "hpz", "qgz", "quant_block_elems", "offload_optimizer",
     "offload_params", "largest_layer_params", "layers", "tokens_per_rank", "peak_tflops", "mfu",
-    "link_gbytes", "intra_gbytes", "host_gbytes", "nvme_gbytes",
+    "link_gbytes", "intra_gbytes", "host_gbytes", "nvme_gbytes", "host_adam_params_per_s", "gpu_memory_bytes",
+    "host_memory_bytes", "hidden_size", "attention_heads", "seq_len", "micro_batch", "vocab_size",
+    "activation_checkpointing",
 )  # fmt: skip
 
 
@@ -719,13 +934,16 @@ def plan(params: float, world_size: int, strategy: str = DEFAULTS["strategy"], *
     Units: bytes (1 GB = 1e9 B), seconds, GB/s for bandwidths, TFLOP/s for `peak_tflops`. `options` are
     the other fields of `PlanInputs` (their meaning, units and defaults are there); docs/budget.md states
     every formula. With accounting="deepspeed" the state is DeepSpeed's estimate; the other keys are the same.
+    The verdict (`fits`, `gpu_verdict`, `host_verdict`) weighs the GPU bytes against `gpu_memory_bytes`.
     Raises ValueError with one sentence naming the argument when an input is impossible.
     """
     p = PlanInputs(params, world_size, strategy, **options)
     mem = memory_terms(p)
     terms = traffic_terms(p)
     host_io, nvme_io = offload_io_bytes(p, mem)
-    times = step_time(p, terms, host_io / (p.host_gbytes * 1e9) + nvme_io / (p.nvme_gbytes * 1e9))
+    offload_s = host_io / (p.host_gbytes * 1e9) + nvme_io / (p.nvme_gbytes * 1e9)
+    times = step_time(p, terms, offload_s, host_optimizer_time_s(p, mem))
+    activations, peak_at = activation_bytes(p)
     result = {
         "params": p.params,
         "world_size": p.world_size,
@@ -736,15 +954,168 @@ def plan(params: float, world_size: int, strategy: str = DEFAULTS["strategy"], *
         "nodes": -(-p.world_size // p.gpus_per_node),
         "precision": p.precision,
         **_memory_summary(p, mem),
+        "activation_bytes_per_rank": sum(activations.values()),
+        "activation_bytes_by_part": activations,
+        "activation_peak_at": peak_at,
         **_traffic_summary(terms),
         "host_io_bytes_per_rank": host_io,
         "nvme_io_bytes_per_rank": nvme_io,
         **times,
+        "assumptions": {i.name: getattr(p, i.name) for i in INPUTS if i.spec.assumption},
         "options": {name: getattr(p, name) for name in _ECHOED},
     }
     if p.accounting == "deepspeed":
         result.update(_deepspeed_accounting(p, result["state_bytes_per_rank"]))
+    # against the GPU bytes as the result counts them (DeepSpeed's estimate, with its accounting)
+    transient = sum(result["transient_bytes_per_rank"].values())
+    result.update(fit_verdict(p, mem, result["state_bytes_per_rank"] + transient, sum(activations.values())))
     return result
+
+
+def model_options(cfg, world_size: int = 1) -> dict:
+    """The activation inputs of `plan()` for a `labkit.model.ModelConfig` (any object with its fields).
+
+    Each of `world_size` ranks takes global_batch / world_size sequences, as `labkit.model.batch` slices them.
+    """
+    return {
+        "hidden_size": cfg.d_model,
+        "attention_heads": cfg.n_heads,
+        "layers": cfg.n_layers,
+        "seq_len": cfg.seq_len,
+        "micro_batch": cfg.global_batch // world_size,
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+# ---- searches over plans -----------------------------------------------------------------------------------
+
+MAX_RANKS = 2**20  # the fewest-ranks search gives up beyond a million ranks
+
+
+def fewest_ranks(
+    params: float, strategy: str = DEFAULTS["strategy"], *, max_ranks: int = MAX_RANKS, **options
+) -> dict:
+    """The smallest world size at which `strategy` with `options` fits (`plan()["fits"]`: GPU and host RAM).
+
+    Memory per rank never grows with n, so the search is a bisection over the world sizes the plan accepts
+    (a multiple of the hsdp group; whole nodes for accounting="deepspeed"). Returns `world_size` (None when
+    nothing fits at `max_ranks`), its `plan`, `one_fewer` (the largest accepted size below it, which does not
+    fit) and `reason`, one sentence.
+    """
+    options.pop("world_size", None)
+    checks = {name: (check, spec) for name, check, spec, *_ in _CHECKS}
+    gpn = options.get("gpus_per_node", DEFAULTS["gpus_per_node"])
+    gpn = checks["gpus_per_node"][0]("gpus_per_node", gpn, checks["gpus_per_node"][1])
+    step = 1
+    if strategy == "hsdp":
+        group = options.get("group_size")
+        step = gpn if group is None else checks["group_size"][0]("group_size", group, checks["group_size"][1])
+    if options.get("accounting") == "deepspeed":
+        step = math.lcm(step, gpn)
+    first = -(-gpn // step) * step
+    top = plan(params, max(first, max_ranks // step * step), strategy, **options)  # a bad input raises here
+    small = [r for n in range(1, first) if (r := _plan_or_none(params, n, strategy, options))]
+    fitting = [r for r in small if r["fits"]]
+    if fitting:
+        found, below = (
+            fitting[0],
+            ([r for r in small if r["world_size"] < fitting[0]["world_size"]] or [None])[-1],
+        )
+    elif not top["fits"]:
+        return {"world_size": None, "max_ranks": top["world_size"], "plan": None, "one_fewer": None,
+                "reason": _nothing_fits(top)}  # fmt: skip
+    else:
+        lo, hi = first // step, top["world_size"] // step  # hi fits; find the smallest k that does
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if plan(params, mid * step, strategy, **options)["fits"] else (mid + 1, hi)
+        found = plan(params, lo * step, strategy, **options)
+        below = (
+            plan(params, (lo - 1) * step, strategy, **options)
+            if lo > first // step
+            else (small or [None])[-1]
+        )
+    return _fewest_ranks_answer(found, below, top["world_size"])
+
+
+def _plan_or_none(params: float, n: int, strategy: str, options: dict) -> dict | None:
+    try:
+        return plan(params, n, strategy, **options)
+    except ValueError:  # a world size this strategy does not accept (a group that does not divide it)
+        return None
+
+
+def _fewest_ranks_answer(found: dict, below: dict | None, max_ranks: int) -> dict:
+    n, fmt = found["world_size"], format_bytes
+    reason = (
+        f"{n} ranks are the fewest at which {found['strategy']} fits: "
+        f"{fmt(found['gpu_needed_bytes_per_rank'])} per rank of {fmt(found['gpu_memory_bytes'])}"
+    )
+    one_fewer = None
+    if below is not None:
+        one_fewer = {
+            k: below[k] for k in ("world_size", "gpu_needed_bytes_per_rank", "host_bytes_per_node", "fits")
+        }
+        reason += f"; at {below['world_size']} ranks it needs {fmt(below['gpu_needed_bytes_per_rank'])}"
+    return {
+        "world_size": n,
+        "max_ranks": max_ranks,
+        "plan": found,
+        "one_fewer": one_fewer,
+        "reason": reason + ".",
+    }
+
+
+def _nothing_fits(top: dict) -> str:
+    """Why no world size fits: the plan at the largest one tried, in one sentence."""
+    fmt = format_bytes
+    n, strategy = top["world_size"], top["strategy"]
+    if not top["fits_gpu_memory"]:
+        parts = [f"state {fmt(top['state_bytes_per_rank'])}"]
+        transient = sum(top["transient_bytes_per_rank"].values())
+        if transient:
+            parts.append(f"transient buffers {fmt(transient)}")
+        if top["activation_bytes_per_rank"]:
+            parts.append(f"activations {fmt(top['activation_bytes_per_rank'])}")
+        return (
+            f"nothing fits in gpu_memory_bytes={fmt(top['gpu_memory_bytes'])}: even at {n:,} ranks {strategy} needs "
+            f"{fmt(top['gpu_needed_bytes_per_rank'])} per rank ({', '.join(parts)}); shard more (zero3), offload, "
+            "or checkpoint activations."
+        )
+    return (
+        f"nothing fits in host_memory_bytes={fmt(top['host_memory_bytes'])}: even at {n:,} ranks the offloaded "
+        f"state needs {fmt(top['host_bytes_per_node'])} per node; offload to nvme or add host RAM."
+    )
+
+
+_REMEDIES = (("cpu", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme"))  # smallest offload first
+
+
+def needs_offload(params: float, max_ranks: int, gpu_memory_bytes: float, **options) -> dict:
+    """The first reversal condition: does ZeRO-3 fit at the largest world size you can have?
+
+    Returns the GPU bytes per rank at `max_ranks`, whether they fit `gpu_memory_bytes`, and the smallest
+    offload (optimizer to cpu, then params too, then NVMe) under which the GPU and the node's host RAM
+    (`host_memory_bytes`, an option) both fit, or None; `tried` says how each offload fared.
+    """
+    options = {**options, "gpu_memory_bytes": gpu_memory_bytes}
+    full = plan(params, max_ranks, "zero3", **options)
+    remedy, tried = None, []
+    for opt, par in () if full["fits_gpu_memory"] else _REMEDIES:
+        p = plan(params, max_ranks, "zero3", offload_optimizer=opt, offload_params=par, **options)
+        tried.append({"offload_optimizer": opt, "offload_params": par,
+                      **{k: p[k] for k in ("gpu_bytes_per_rank", "host_bytes_per_node", "fits_gpu_memory",
+                                           "fits_host_memory", "host_verdict")}})  # fmt: skip
+        if p["fits"]:
+            remedy = {"offload_optimizer": opt, "offload_params": par, "gpu_bytes_per_rank": p["gpu_bytes_per_rank"],
+                      "host_bytes_per_node": p["host_bytes_per_node"]}  # fmt: skip
+            break
+    return {
+        "gpu_bytes_per_rank": full["gpu_bytes_per_rank"],
+        "fits_without_offload": full["fits_gpu_memory"],
+        "offload": remedy,
+        "tried": tried,
+    }
 
 
 # ---- DeepSpeed's accounting --------------------------------------------------------------------------------
@@ -863,7 +1234,50 @@ def format_bytes(n_bytes: float) -> str:
 
 def summary_rows(result: dict) -> list[tuple[str, str, str]]:
     """The numbers of a `plan()` result as (section, quantity, value) rows, for tables in the CLI and widgets."""
-    return _memory_rows(result) + _traffic_rows(result) + _time_rows(result)
+    return (
+        _memory_rows(result) + _traffic_rows(result) + _time_rows(result) + assumption_rows(result)
+        + _fit_rows(result)
+    )  # fmt: skip
+
+
+def format_count(n: float) -> str:
+    """A count with a decimal suffix and four significant digits: 30000000000 -> '30B', 1.5e8 -> '150M'."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.4g}{suffix}"
+    return f"{n:g}"
+
+
+def _unit_value(value: float, unit: str) -> str:
+    if unit == "bytes":
+        return format_bytes(value)
+    if unit == "params/s":
+        return f"{format_count(value)} params/s"
+    return f"{value:g} {unit}".rstrip() if unit != "fraction" else f"{value:g}"
+
+
+def assumption_rows(result: dict) -> list[tuple[str, str, str]]:
+    """The inputs the step time rests on (`InputSpec.assumption`), each with its unit."""
+    specs = {i.name: i.spec for i in INPUTS}
+    return [
+        ("assumptions", specs[name].help.split(";")[0], _unit_value(value, specs[name].unit))
+        for name, value in result["assumptions"].items()
+    ]
+
+
+def _fit_rows(result: dict) -> list[tuple[str, str, str]]:
+    section = "does it fit?"
+    rows = [
+        (section, "GPU memory", format_bytes(result["gpu_memory_bytes"])),
+        (section, "needed per rank", format_bytes(result["gpu_needed_bytes_per_rank"])),
+        (section, "left for activations", format_bytes(result["gpu_left_for_activations_bytes"])),
+        (section, "verdict, GPU", result["gpu_verdict"]),
+    ]
+    if result["host_bytes_per_node"]:
+        rows.append((section, "host RAM per node", format_bytes(result["host_memory_bytes"])))
+        rows.append((section, "offloaded state per node", format_bytes(result["host_bytes_per_node"])))
+        rows.append((section, "verdict, host", result["host_verdict"]))
+    return rows
 
 
 def _memory_rows(result: dict) -> list[tuple[str, str, str]]:
@@ -875,6 +1289,14 @@ def _memory_rows(result: dict) -> list[tuple[str, str, str]]:
     transient = sum(result["transient_bytes_per_rank"].values())
     if transient:
         rows.append((section, "transient buffers", format_bytes(transient)))
+    if result["activation_bytes_per_rank"]:
+        kept = (
+            "block inputs, one block recomputed"
+            if result["options"]["activation_checkpointing"]
+            else "all saved"
+        )
+        rows.append((section, f"activations ({kept}; peak at the {result['activation_peak_at']})",
+                     format_bytes(result["activation_bytes_per_rank"])))  # fmt: skip
     for where in ("host", "nvme"):
         held = sum(result[f"{where}_bytes_per_rank"].values())
         if held:
@@ -915,5 +1337,7 @@ def _time_rows(result: dict) -> list[tuple[str, str, str]]:
     ]
     if result["offload_time_s"]:
         rows.append(("offload transfers", result["offload_time_s"]))
+    if result["host_optimizer_time_s"]:
+        rows.append(("host optimizer (CPU Adam)", result["host_optimizer_time_s"]))
     rows.append(("step", result["step_time_s"]))
     return [("time per step", quantity, f"{seconds:.3f} s") for quantity, seconds in rows]
