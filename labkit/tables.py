@@ -212,45 +212,21 @@ def strategy_rows(plans: dict[str, dict[str, Any]]) -> str:
     return fixed_width(rows, rule=True)
 
 
-def needs_offload(params: float, max_ranks: int, gpu_bytes: float, **plan_options: Any) -> dict[str, Any]:
-    """The first reversal condition: does ZeRO-3 fit at the largest world size you can have?
-
-    Returns the state per rank at `max_ranks` (bytes), whether it exceeds `gpu_bytes`, and the smallest
-    offload (optimizer to cpu, then params too, then NVMe) under which it fits, or None.
-    """
-    full = budget.plan(params, max_ranks, "zero3", **plan_options)
-    fits = full["gpu_bytes_per_rank"] <= gpu_bytes
-    remedy = None
-    if not fits:
-        for opt, par in (("cpu", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme")):
-            p = budget.plan(
-                params, max_ranks, "zero3", offload_optimizer=opt, offload_params=par, **plan_options
-            )
-            if p["gpu_bytes_per_rank"] <= gpu_bytes:
-                remedy = {
-                    "offload_optimizer": opt,
-                    "offload_params": par,
-                    "gpu_bytes_per_rank": p["gpu_bytes_per_rank"],
-                }
-                break
-    return {"gpu_bytes_per_rank": full["gpu_bytes_per_rank"], "fits_without_offload": fits, "offload": remedy}
+# Plan arithmetic lives in labkit.budget; notebook 07 calls it by this name.
+needs_offload = budget.needs_offload
 
 
 # ------------------------------------------------------------------------------------------ one plan
 
 
-def _count(n: int) -> str:
-    """30000000000 -> '30B', 125000000 -> '125M'."""
-    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.4g}{suffix}"
-    return str(n)
-
-
 def plan_table(result: dict) -> str:
-    """A plan of `labkit.budget.plan` as the sectioned table `labkit budget` prints."""
+    """A plan of `labkit.budget.plan` as the sectioned table `labkit budget` prints.
+
+    Its head says the model, the strategy and, for `labkit budget --world-size auto` (a `fewest_ranks` key),
+    why that many ranks; its sections end with the step time's assumptions and the verdict.
+    """
     head = (
-        f"{_count(result['params'])} params on {result['world_size']} ranks, {result['strategy']}"
+        f"{budget.format_count(result['params'])} params on {result['world_size']} ranks, {result['strategy']}"
         + (
             f" (groups of {result['group_size']} x {result['replica_groups']})"
             if result["strategy"] == "hsdp"
@@ -263,12 +239,20 @@ def plan_table(result: dict) -> str:
             else ""
         )
     )
+    lines = [head]
+    if "fewest_ranks" in result:
+        lines.append(f"fewest ranks that fit: {result['fewest_ranks']['reason']}")
     rows = budget.summary_rows(result)
-    aligned = fixed_width([("", ""), *((f"  {q}", v) for _, q, v in rows)]).splitlines()[1:]
-    lines, section = [head], None
-    for (sec, _, _), line in zip(rows, aligned, strict=True):
+    # a figure is aligned in its column; a sentence (a verdict) follows its quantity on its own line
+    figures = [(q, v) for _, q, v in rows if len(v) <= _FIGURE_WIDTH]
+    aligned = iter(fixed_width([("", ""), *((f"  {q}", v) for q, v in figures)]).splitlines()[1:])
+    section = None
+    for sec, quantity, value in rows:
         if sec != section:
             lines.append(f"\n{sec}")
             section = sec
-        lines.append(line.rstrip())
+        lines.append(next(aligned).rstrip() if len(value) <= _FIGURE_WIDTH else f"  {quantity}: {value}")
     return "\n".join(lines)
+
+
+_FIGURE_WIDTH = 20  # wider values are sentences

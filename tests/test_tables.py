@@ -103,6 +103,23 @@ def test_plan_tables_and_needs_offload_are_budgets():
     assert remedy["gpu_bytes_per_rank"] == again["gpu_bytes_per_rank"] <= 80e9
 
 
+def test_plan_table_aligns_figures_and_puts_verdicts_on_their_own_line():
+    text = tables.plan_table(budget.plan(70e9, 8, offload_optimizer="cpu", host_memory_bytes=1e12))
+    lines = text.splitlines()
+    width = len(next(line for line in lines if line.startswith("  state total")))
+    figures = [line for line in lines if line.startswith("  ") and ": " not in line]
+    assert {len(line) for line in figures} == {width}  # one right edge for every figure
+    assert (
+        "  verdict, GPU: fits: 17.5 GB state and buffers per rank of 80 GB, 62.5 GB left for activations"
+        in lines
+    )
+    assert any(line.startswith("  verdict, host: does not fit: 1.12 TB per node") for line in lines)
+    assert lines[lines.index("assumptions") - 2].split() == ["step", "77.153", "s"]
+    found = budget.fewest_ranks(30e9)
+    result = {**found.pop("plan"), "fewest_ranks": found}
+    assert tables.plan_table(result).splitlines()[1] == f"fewest ranks that fit: {found['reason']}"
+
+
 def test_tables_import_no_torch():
     code = "import sys, labkit.tables; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
