@@ -87,6 +87,14 @@ def test_json_to_file_and_options_reach_plan(tmp_path, capsys):
             "--largest-layer-params",
         ),
         (["--params", "30e9", "--world-size", "8", "--strategy", "hsdp", "--qwz"], "--qwz"),
+        (["--params", "70GB", "--world-size", "8"], "--params"),
+        (["--params", "70B", "--world-size", "8", "--gpu-memory", "80Gb"], "--gpu-memory"),
+        (["--params", "70B", "--world-size", "8", "--gpu-memory", "0GB"], "--gpu-memory"),
+        (["--params", "70B", "--world-size", "8", "--host-memory", "lots"], "--host-memory"),
+        (["--params", "70B", "--world-size", "8", "--link-gbytes", "400Gb/s"], "--link-gbytes"),
+        (["--params", "70B", "--world-size", "most"], "--world-size"),
+        (["--params", "30e9", "--world-size", "auto", "--strategy", "ddp"], "--world-size auto"),
+        (["--params", "30e9", "--world-size", "auto", "--mfu", "2"], "--mfu"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, flag, capsys):
@@ -135,3 +143,125 @@ def test_help_imports_no_torch():
     assert proc.returncode == 0, proc.stderr
     assert "--tokens-per-rank" in proc.stdout
     assert proc.stderr.strip() == "False"
+
+
+def test_size_suffixes_reach_plan(capsys):
+    argv = ["budget", "--params", "70B", "--world-size", "8", "--gpu-memory", "141GB", "--host-memory", "1TB",
+            "--link-gbytes", "50GB/s", "--intra-gbytes", "0.9TB/s", "--offload-optimizer", "cpu", "--json", "-"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    expected = budget.plan(70e9, 8, gpu_memory_bytes=141e9, host_memory_bytes=1e12, intra_gbytes=900.0,
+                           offload_optimizer="cpu")  # fmt: skip
+    assert result == json.loads(json.dumps(expected))
+    assert result["params"] == 70_000_000_000 and result["options"]["intra_gbytes"] == 900.0
+    args = build_parser().parse_args(
+        ["budget", "--params", "125M", "--world-size", "1k", "--gpu-memory", "80GiB"]
+    )
+    assert (args.params, args.world_size, args.gpu_memory_bytes) == (125_000_000, 1000, 80 * 2**30)
+
+
+def test_size_errors_say_what_would_do(capsys):
+    assert main(["budget", "--params", "70GB", "--world-size", "8"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "labkit budget: argument --params: '70GB' is not a number of parameters; write one such as 70B, 125M, "
+        "16k or 7e9 (k, M, B, T: decimal)."
+    )
+    assert main(["budget", "--params", "70B", "--world-size", "8", "--link-gbytes", "400Gb/s"]) == 2
+    assert "(400 Gb/s of bits is 50GB/s)" in capsys.readouterr().err
+
+
+def test_does_it_fit_and_the_assumptions_are_printed(capsys):
+    assert (
+        main(["budget", "--params", "30e9", "--world-size", "512", "--strategy", "hsdp", "--group-size", "8"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "verdict, GPU: fits: 60 GB state and buffers per rank of 80 GB, 20 GB left for activations" in out
+    tail = out[out.index("\nassumptions\n") :]
+    for shown in (
+        "16384 tokens",
+        "989 TFLOP/s",
+        "0.4",
+        "50 GB/s",
+        "450 GB/s",
+        "25 GB/s",
+        "5 GB/s",
+        "150M params/s",
+    ):
+        assert shown in tail, shown
+    assert (
+        main(["budget", "--params", "70B", "--world-size", "8", "--tokens-per-rank", "4096", "--mfu", "0.5"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert (
+        "4096 tokens" in out
+        and "does not fit: 140 GB state and buffers per rank is 60 GB more than 80 GB" in out
+    )
+    assert (
+        main(
+            [
+                "budget",
+                "--params",
+                "70B",
+                "--world-size",
+                "8",
+                "--offload-optimizer",
+                "cpu",
+                "--host-memory",
+                "1TB",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "host optimizer (CPU Adam)" in out and "58.333 s" in out
+    assert (
+        "verdict, host: does not fit: 1.12 TB per node is 120 GB more than 1 TB of host RAM; only NVMe fits"
+        in out
+    )
+
+
+def test_world_size_auto_gives_the_fewest_ranks_that_fit(capsys):
+    assert (
+        main(["budget", "--params", "30e9", "--world-size", "auto", "--gpu-memory", "80GB", "--json", "-"])
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["world_size"] == 6 and result["fewest_ranks"]["one_fewer"]["world_size"] == 5
+    assert {k: v for k, v in result.items() if k != "fewest_ranks"} == json.loads(
+        json.dumps(budget.plan(30e9, 6))
+    )
+    assert main(["budget", "--params", "70B", "--world-size", "auto"]) == 0
+    head = capsys.readouterr().out.splitlines()[:2]
+    assert head == [
+        "70B params on 14 ranks, zero3, bf16_mixed (16 B/param); 1 GB = 1e9 B",
+        "fewest ranks that fit: 14 ranks are the fewest at which zero3 fits: 80 GB per rank of 80 GB; at 13 ranks "
+        "it needs 86.15 GB.",
+    ]
+    assert main(["budget", "--params", "30e9", "--world-size", "auto", "--strategy", "ddp"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "labkit budget: --world-size auto: nothing fits in --gpu-memory=80 GB: even at 1,048,576 ranks ddp needs "
+        "480 GB per rank (state 480 GB); shard more (zero3), offload, or checkpoint activations."
+    )
+
+
+def test_help_lists_the_assumptions():
+    sub = next(a for a in build_parser()._subparsers._group_actions if a.dest == "command").choices["budget"]
+    lines = sub.format_help().splitlines()
+    epilog = lines[
+        lines.index("the step time assumes (defaults; every plan prints the values it used):") + 1 :
+    ]
+    shown = [line[:44].split() for line in epilog[:-1]]  # the flag and its default, in two columns
+    assert shown == [["--tokens-per-rank", "16384", "tokens"], ["--peak-tflops", "989", "TFLOP/s"], ["--mfu", "0.4"],
+                     ["--link-gbytes", "50", "GB/s"], ["--intra-gbytes", "450", "GB/s"], ["--host-gbytes", "25", "GB/s"],
+                     ["--nvme-gbytes", "5", "GB/s"], ["--host-adam-params-per-s", "150M", "params/s"]]  # fmt: skip
+    assert [i.name for i in budget.INPUTS if i.spec.assumption] == [
+        "tokens_per_rank", "peak_tflops", "mfu", "link_gbytes", "intra_gbytes", "host_gbytes", "nvme_gbytes",
+        "host_adam_params_per_s"]  # fmt: skip
+    text = " ".join(lines)
+    text = " ".join(text.split())
+    assert (
+        "--gpu-memory N memory of one GPU, for the verdict (an H100: 80 GB) [bytes] (default: 80 GB)" in text
+    )
+    assert "or auto: the fewest that fit --gpu-memory" in text

@@ -1,7 +1,9 @@
 """`labkit budget`: print what `labkit.budget.plan()` returns for one configuration, as a table or JSON.
 
-Its flags, their defaults and help are made from `labkit.budget.PlanInputs`, so they are written once. Only
-the standard library and `labkit.budget` are imported here: the command never waits for torch.
+Its flags, their defaults and help are made from `labkit.budget.PlanInputs`, so they are written once; a
+value may carry its unit's size suffix (`70B`, `80GB`, `50GB/s`: `budget.parse_quantity`). `--world-size
+auto` asks `budget.fewest_ranks` for the smallest world size that fits. Only the standard library and
+`labkit.budget` are imported here: the command never waits for torch.
 """
 
 from __future__ import annotations
@@ -15,21 +17,31 @@ from labkit import budget, tables
 from labkit.cli import UsageError
 
 # The flags are made from labkit.budget.INPUTS: --NAME for each input (--no-NAME for a switch that is on by
-# default). plan() names its arguments in Python; the user typed flags, so errors name the flag.
+# default), or the input's own `flag`. plan() names its arguments in Python; the user typed flags, so errors
+# name the flag.
 _FLAGS = {
-    i.name: ("--no-" if i.spec.kind == "switch" and i.default else "--") + i.name.replace("_", "-")
+    i.name: i.spec.flag
+    or ("--no-" if i.spec.kind == "switch" and i.default else "--") + i.name.replace("_", "-")
     for i in budget.INPUTS
 }
 _FLAG_RE = re.compile(r"\b(" + "|".join(sorted(_FLAGS, key=len, reverse=True)) + r")\b")
+AUTO = "auto"  # --world-size auto: the fewest ranks that fit
 
 
-def number(text: str) -> int | float:
-    """A count as typed (`256`, `30e9`): an int when whole, else the float, which plan() then refuses.
+def _parser(spec: budget.InputSpec, auto: bool = False):
+    """The argparse type of one input: its text through `budget.parse_quantity`, a count kept whole."""
 
-    (argparse names this function when the text is no number: "invalid number value: 'lots'".)
-    """
-    value = float(text)
-    return int(value) if value.is_integer() else value
+    def parse(text: str):
+        if auto and text.strip().lower() == AUTO:
+            return AUTO
+        try:
+            value = budget.parse_quantity(text, spec.unit)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        # a whole count as an int; a fractional one stays a float, which plan() then refuses by name
+        return int(value) if spec.kind == "count" and value.is_integer() else value
+
+    return parse
 
 
 def _add_flag(parser: argparse.ArgumentParser, i: budget.Input) -> None:
@@ -41,13 +53,34 @@ def _add_flag(parser: argparse.ArgumentParser, i: budget.Input) -> None:
         parser.add_argument(_FLAGS[i.name], dest=i.name, action=action, help=help)
         return
     kwargs = {"required": True} if i.required else {"default": i.default}
+    help = spec.help
     if spec.kind == "choice":
         kwargs["choices"] = spec.choices
         default = f" (default: {i.default})"
     else:
-        kwargs["type"], kwargs["metavar"] = (number, "N") if spec.kind == "count" else (float, "X")
-        default = "" if i.required or i.default is None else f" (default: {i.default:g})"
-    parser.add_argument(_FLAGS[i.name], help=f"{spec.help}{unit}{default}", **kwargs)
+        auto = i.name == "world_size"
+        kwargs["type"], kwargs["metavar"] = _parser(spec, auto), "N" if spec.kind == "count" else "X"
+        if auto:
+            help += f", or {AUTO}: the fewest that fit --gpu-memory (and --host-memory when offloading)"
+        default = ""
+        if not i.required and i.default is not None:
+            shown = budget.format_bytes(i.default) if spec.unit == "bytes" else f"{i.default:g}"
+            default = f" (default: {shown})"
+    parser.add_argument(_FLAGS[i.name], dest=i.name, help=f"{help}{unit}{default}", **kwargs)
+
+
+def _assumptions_epilog() -> str:
+    """The step time's assumptions and their defaults, one a line, from the inputs marked `assumption`."""
+    lines = ["the step time assumes (defaults; every plan prints the values it used):"]
+    for i in budget.INPUTS:
+        if i.spec.assumption:
+            value = budget.format_count(i.default) if i.spec.unit == "params/s" else f"{i.default:g}"
+            unit = "" if i.spec.unit == "fraction" else f" {i.spec.unit}"
+            lines.append(f"  {_FLAGS[i.name]:<26} {value + unit:<15} {i.spec.help.split(';')[0]}")
+    lines.append(
+        "sizes take decimal suffixes: --params 70B, --gpu-memory 80GB, --link-gbytes 50GB/s (1 GB = 1e9 B)"
+    )
+    return "\n".join(lines)
 
 
 def register(subparsers) -> None:
@@ -55,8 +88,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "budget",
         help="memory, traffic and time per rank of one training step (closed form)",
-        description="Closed-form memory per rank, traffic per rank per step and step time for data-parallel "
-        "training (ddp, ZeRO-1/2/3, HSDP). Bytes are decimal: 1 GB = 1e9 B.",
+        description="Closed-form memory per rank, traffic per rank per step and step time for data-parallel\n"
+        "training (ddp, ZeRO-1/2/3, HSDP), and whether it fits the GPU and host memory.\n"
+        "Bytes are decimal: 1 GB = 1e9 B.",
+        epilog=_assumptions_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog's one assumption a line
     )
     for i in budget.INPUTS:
         _add_flag(p, i)
@@ -66,13 +102,30 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _flagged(message: str) -> str:
+    """A library sentence with each argument name replaced by its flag, first line only."""
+    return _FLAG_RE.sub(lambda m: _FLAGS[m.group(1)], str(message).strip().splitlines()[0])
+
+
+def _plan(options: dict) -> dict:
+    """plan() of the options, or with --world-size auto the plan at the fewest ranks that fit."""
+    if options["world_size"] != AUTO:
+        return budget.plan(**options)
+    options = {k: v for k, v in options.items() if k != "world_size"}
+    search = budget.fewest_ranks(**options)
+    if search["world_size"] is None:
+        raise UsageError(f"labkit budget: --world-size {AUTO}: {_flagged(search['reason'])}")
+    result = search.pop("plan")
+    result["fewest_ranks"] = search
+    return result
+
+
 def run(args: argparse.Namespace) -> int:
     """Compute the plan, print the table (unless JSON goes to stdout), write JSON if asked."""
     try:
-        result = budget.plan(**{i.name: getattr(args, i.name) for i in budget.INPUTS})
+        result = _plan({i.name: getattr(args, i.name) for i in budget.INPUTS})
     except ValueError as e:
-        message = _FLAG_RE.sub(lambda m: _FLAGS[m.group(1)], str(e).strip().splitlines()[0])
-        raise UsageError(f"labkit budget: {message}") from None
+        raise UsageError(f"labkit budget: {_flagged(e)}") from None
     text = json.dumps(result, indent=2)
     if args.json == "-":
         sys.stdout.write(text + "\n")
