@@ -16,6 +16,9 @@ import ipywidgets as W
 from labkit import budget, plots
 
 RANK_CHOICES = tuple(2**k for k in range(14))  # 1 .. 8192 ranks
+# memory sizes a dropdown offers (bytes, decimal): common GPUs (16 GB .. a B200's 192 GB), and hosts' RAM
+GPU_MEMORY_CHOICES = tuple(int(g * 1e9) for g in (16, 24, 32, 40, 48, 80, 94, 96, 141, 192))
+HOST_MEMORY_CHOICES = tuple(int(g * 1e9) for g in (256, 512, 1000, 1500, 2000, 4000))
 
 
 def log_slider(
@@ -77,6 +80,8 @@ CONTROLS: dict[str, tuple[str, str, dict]] = {
     "intra_gbytes": ("log", "NVLink GB/s", {"base": 10, "low": 1, "high": 3.5, "step": 0.01, "readout_format": ".3g"}),
     "peak_tflops": ("log", "peak TFLOP/s", {"base": 10, "low": 1, "high": 4, "step": 0.01, "readout_format": ".4g"}),
     "mfu": ("slider", "MFU", {"min": 0.05, "max": 1.0, "step": 0.01}),
+    "gpu_memory_bytes": ("bytes", "GPU memory", {"options": GPU_MEMORY_CHOICES}),
+    "host_memory_bytes": ("bytes", "host RAM/node", {"options": HOST_MEMORY_CHOICES}),
 }  # fmt: skip
 # How the controls are laid out: one row of widgets per tuple.
 ROWS = (
@@ -86,6 +91,7 @@ ROWS = (
     ("offload_optimizer", "offload_params", "prefetch", "reshard_after_forward"),
     ("tokens_per_rank", "peak_tflops", "mfu"),
     ("link_gbytes", "intra_gbytes"),
+    ("gpu_memory_bytes", "host_memory_bytes"),
 )
 _SPECS = {i.name: i.spec for i in budget.INPUTS}
 
@@ -102,6 +108,11 @@ def _control(name: str, value) -> W.Widget:
     if widget == "ranks":
         return W.SelectionSlider(
             options=sorted(set(RANK_CHOICES) | {int(value)}), value=int(value), description=label
+        )
+    if widget == "bytes":  # a dropdown of sizes, labelled in GB, holding bytes (the caller's size added)
+        sizes = sorted(set(settings["options"]) | {int(value)})
+        return W.Dropdown(
+            options=[(budget.format_bytes(b), b) for b in sizes], value=int(value), description=label
         )
     settings = {"options": _SPECS[name].choices, **settings}
     if value is None:  # an input whose default is "none given" (group_size) starts on the first option
@@ -139,11 +150,13 @@ class BudgetCalculator:
         self.image = W.Image(format="png", layout=W.Layout(max_width="760px", object_fit="contain"))
         self.table = W.HTML()
         self.error = W.HTML()
+        self.fit = W.HTML()  # the fewest ranks that fit, for the inputs other than the ranks
         self.result: dict | None = None
         self.widget = W.VBox(
             [W.HBox([c[name] for name in row]) if len(row) > 1 else c[row[0]] for row in ROWS]
             + [
                 self.error,
+                self.fit,
                 # Not stretched to the table's height (a flex row stretches its items), the table below it
                 # when the two do not fit side by side.
                 W.HBox(
@@ -178,13 +191,20 @@ class BudgetCalculator:
         self.result = result
         self.image.value = plots.figure_png(plots.budget_figure(result))
         self.table.value = table_html(result)
+        self.fit.value = html.escape(self._fewest_ranks(result["params"], result["strategy"], opts))
+
+    @staticmethod
+    def _fewest_ranks(params: int, strategy: str, options: dict) -> str:
+        """One line: the fewest ranks at which these inputs fit (budget.fewest_ranks), or why none do."""
+        search = budget.fewest_ranks(params, strategy, **options)
+        return f"Fewest ranks that fit: {search['reason']}"
 
     def static_html(self) -> str:
         """The current figure and table as one self-contained HTML fragment (no widgets needed)."""
         png = base64.b64encode(self.image.value).decode("ascii")
         return (
             f'<div style="display:flex;gap:16px;align-items:flex-start"><img src="data:image/png;base64,{png}" '
-            f'style="max-width:760px"/>{self.table.value}</div>'
+            f'style="max-width:760px"/>{self.table.value}</div><p>{self.fit.value}</p>'
         )
 
     def _set_group_choices(self, wanted: int | None = None) -> None:

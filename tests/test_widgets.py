@@ -128,3 +128,25 @@ def test_controls_are_made_from_plan_inputs():
     start = widgets.BudgetCalculator(1e9, 8, "zero1", mfu=0.5, tokens_per_rank=4096, qgz=False)
     assert (start.controls["mfu"].value, start.controls["tokens_per_rank"].value) == (0.5, 4096)
     assert start.options()["qgz"] is False  # an input without a control is passed through
+
+
+def test_gpu_memory_control_moves_the_verdict_and_the_fewest_ranks():
+    calc = widgets.BudgetCalculator(30e9, 8)  # 60 GB per rank
+    gpu = calc.controls["gpu_memory_bytes"]
+    assert gpu.value == 80e9 and ("80 GB", 80_000_000_000) in gpu.options
+    assert calc.result["fits"] and "does it fit?" in calc.table.value
+    assert "fits: 60 GB state and buffers per rank of 80 GB, 20 GB left for activations" in calc.table.value
+    assert calc.fit.value == (
+        "Fewest ranks that fit: 6 ranks are the fewest at which zero3 fits: 80 GB per rank of 80 GB; "
+        "at 5 ranks it needs 96 GB."
+    )
+    gpu.value = 40_000_000_000
+    assert calc.result["gpu_memory_bytes"] == 40e9 and not calc.result["fits"]
+    assert "does not fit: 60 GB state and buffers per rank is 20 GB more than 40 GB" in calc.table.value
+    assert calc.fit.value.startswith("Fewest ranks that fit: 12 ranks")  # 480 GB / 40 GB
+    assert calc.fit.value in calc.static_html()
+    calc.controls["offload_optimizer"].value = "cpu"
+    calc.controls["host_memory_bytes"].value = 256_000_000_000  # 8 ranks x 60 GB of offloaded state
+    assert "only NVMe fits" in calc.result["host_verdict"] and "only NVMe fits" in calc.table.value
+    odd = widgets.BudgetCalculator(30e9, 8, gpu_memory_bytes=70e9)  # a size the dropdown lacks is added
+    assert odd.controls["gpu_memory_bytes"].value == 70e9 and odd.result["gpu_memory_bytes"] == 70e9
