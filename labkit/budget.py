@@ -1003,13 +1003,10 @@ def fewest_ranks(
     fit) and `reason`, one sentence.
     """
     options.pop("world_size", None)
-    checks = {name: (check, spec) for name, check, spec, *_ in _CHECKS}
-    gpn = options.get("gpus_per_node", DEFAULTS["gpus_per_node"])
-    gpn = checks["gpus_per_node"][0]("gpus_per_node", gpn, checks["gpus_per_node"][1])
-    step = 1
+    gpn = _checked("gpus_per_node", options.get("gpus_per_node", DEFAULTS["gpus_per_node"]))
+    step = 1  # the accepted world sizes from one node up are the multiples of `step`
     if strategy == "hsdp":
-        group = options.get("group_size")
-        step = gpn if group is None else checks["group_size"][0]("group_size", group, checks["group_size"][1])
+        step = gpn if options.get("group_size") is None else _checked("group_size", options["group_size"])
     if options.get("accounting") == "deepspeed":
         step = math.lcm(step, gpn)
     first = -(-gpn // step) * step
@@ -1036,6 +1033,12 @@ def fewest_ranks(
             else (small or [None])[-1]
         )
     return _fewest_ranks_answer(found, below, top["world_size"])
+
+
+def _checked(name: str, value):
+    """`value` checked as the field `name` of PlanInputs checks it (a bad one raises ValueError)."""
+    spec = next(i.spec for i in INPUTS if i.name == name)
+    return _CHECK_OF_KIND[spec.kind](name, value, spec)
 
 
 def _plan_or_none(params: float, n: int, strategy: str, options: dict) -> dict | None:
