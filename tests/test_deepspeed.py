@@ -22,7 +22,7 @@ from engine_helpers import assert_close, reference_losses
 import labkit
 from labkit.budget import collective_wire_bytes, deepspeed_zero_estimate
 from labkit.engines import deepspeed as dse
-from labkit.engines import loop
+from labkit.engines import deepspeed_inspect, loop
 from labkit.engines.base import RunConfig
 from labkit.engines.ds_config import block_numel, ds_config
 from labkit.model import build_model, count_params
@@ -56,6 +56,7 @@ def _variants(cases: list[tuple[str, RunConfig]]) -> dict:
         else:
             out[name] = {"losses": [s["loss"] for s in per_step], "per_step": per_step}
         out[name]["state"] = dse.itemise_state_bytes(engine, n_params)
+        out[name]["terms"] = deepspeed_inspect.state_terms(engine, cfg)
     return out
 
 
@@ -112,7 +113,7 @@ def test_deepspeed_matches_single_with_each_option_on_two_ranks():
     for name, grad_bytes, param_bytes in (("fp32", 4, 4), ("bf16", 2, 2)):
         rows = {(r["state"], r["what"]): r["bytes"] for r in got[name]["state"]}
         assert rows == {
-            ("params", "partition"): param_bytes * n_params // n,
+            ("params", "parameter partition"): param_bytes * n_params // n,
             ("grads", "gradient partitions (flat)"): grad_bytes * n_params // n,
             ("grads", "reduce bucket (flat)"): grad_bytes * block_numel("tiny"),
             ("optimizer", "fp32 master partition (flat)"): 4 * n_params // n,
@@ -120,6 +121,13 @@ def test_deepspeed_matches_single_with_each_option_on_two_ranks():
             ("optimizer", "AdamW exp_avg_sq"): 4 * n_params // n,
             ("optimizer", "AdamW step"): 4,
         }, name
+    # Every case's terms, from the config, equal the measured ones and sum to the probe's state bytes; the
+    # optimizer offload keeps the host optimizer's fp32 gradient (4 B/param / n) between steps too.
+    for name in ("fp32", "bf16", "offload_optimizer", "offload_all", "defaults"):
+        _assert_terms_sum_to_the_measurement(got[name]["terms"], name)
+    assert got["offload_optimizer"]["terms"]["terms"]["fp32 gradient of the master partition (offload)"] == (
+        4 * n_params // n
+    )
     # DeepSpeed's defaults keep every parameter of the tiny model (all under 1e5 elements) whole on every
     # rank, and a reduce bucket of 5e8 elements.
     rows = {(r["state"], r["what"]): r["bytes"] for r in got["defaults"]["state"]}
@@ -144,6 +152,27 @@ def test_deepspeed_matches_single_with_each_option_on_two_ranks():
         param_bytes = 4 * n_params
         assert sum(s * c for s, c in logged["all_gather_into_tensor"].items()) * n == 2 * param_bytes
         assert sum(s * c for s, c in logged["reduce_scatter_tensor"].items()) == param_bytes
+
+
+def _assert_terms_sum_to_the_measurement(state: dict, name: str) -> None:
+    """`deepspeed_inspect.state_terms`: measured terms = accounting, summing to the probe; only scalars left."""
+    assert state["terms"] == state["accounting"], name
+    assert sum(state["terms"].values()) == state["measured_bytes"], name
+    assert set(state["outside_state"]) == {f"optimizer.{k}" for k in deepspeed_inspect.NOT_CARRIED}, name
+    assert sum(state["outside_state"].values()) <= 9, name  # an 8- (or 4-) byte norm and a 1-byte flag
+
+
+def test_deepspeed_extra_copy_itemised_at_four_ranks():
+    # Issue 19, item 1: fp32 ZeRO-3 at 4 ranks keeps 20 B/param / n (4 params + 4 grads + 4 fp32 master +
+    # 8 AdamW) plus a reduce bucket of one block and AdamW's 4-byte step: about 1.48 x 16 B/param / n.
+    n, n_params = 4, count_params(build_model())
+    state = labkit.launch(
+        deepspeed_inspect.itemise_state, n, RunConfig(world_size=n, steps=2), timeout=TIMEOUT_S
+    )[0]
+    _assert_terms_sum_to_the_measurement(state, "fp32 at 4 ranks")
+    assert state["paper_bytes"] == 16 * n_params / n
+    assert state["measured_bytes"] == 20 * n_params // n + 4 * block_numel("tiny") + 4
+    assert state["ratio_to_paper"] == pytest.approx(1.4787, abs=1e-4)
 
 
 @pytest.mark.parametrize(

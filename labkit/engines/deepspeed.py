@@ -26,6 +26,7 @@ from labkit.budget import collective_wire_bytes, padded_flat_numel
 from labkit.engines.base import RankInfo, RunConfig, adamw
 from labkit.engines.ds_config import ds_config
 from labkit.model import loss_fn
+from labkit.probes.memory import storages
 
 NAME = "deepspeed"
 
@@ -109,21 +110,23 @@ class DeepSpeedEngine:
         return {key: [t for _, t in entries] for key, entries in self.state_entries().items()}
 
     def state_entries(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
-        """(what, tensor) pairs per key, local tensors only, each storage counted once.
+        """(what, tensor) pairs per key, local tensors only (a storage several entries share counts once).
 
         "params": each parameter's partition `ds_tensor` (the compute dtype; views into one flat buffer),
         plus the full tensor of every parameter DeepSpeed keeps gathered ("persistent"), plus, with
         `zero_hpz_partition_size` = h, the secondary 1/h partition backward gathers from (ZeRO++ hpZ) while
         it exists: built in forward, gone after the optimizer step (measured), so absent between steps.
-        "grads": the flat gradient-partition buffer (the gradient dtype: fp32, or bf16 in bf16 runs) and the
-        flat reduce bucket the gradients are copied into before each reduce-scatter; both stay allocated.
+        "grads": the flat gradient-partition buffer (the gradient dtype: fp32, or bf16 in bf16 runs), the
+        flat reduce bucket the gradients are copied into before each reduce-scatter (both stay allocated)
+        and, under optimizer offload, the fp32 gradient the host optimizer reads (the master partition's
+        `.grad`, kept between steps; without offload DeepSpeed drops it after each step).
         "optimizer": the flat fp32 master partition (an extra copy even in float32 runs), AdamW's two
-        moments over it and its step counter.
+        moments over it and its step counter. `state_bytes_accounting` predicts each entry's bytes.
         """
         zero = self.engine.optimizer
         params = [p for p in self.engine.module.parameters()]
         entries: dict[str, list[tuple[str, torch.Tensor]]] = {"params": [], "grads": [], "optimizer": []}
-        entries["params"] = [("partition", p.ds_tensor) for p in params]
+        entries["params"] = [("parameter partition", p.ds_tensor) for p in params]
         entries["params"] += [("persistent full copy", p.data) for p in params if p.ds_persist]
         entries["params"] += [
             ("hpZ secondary partition", p.ds_secondary_tensor)
@@ -133,6 +136,11 @@ class DeepSpeedEngine:
         entries["grads"] = [("gradient partitions (flat)", zero.grad_partitions_flat_buffer)]
         entries["grads"] += [
             ("reduce bucket (flat)", b.buffer) for b in zero.ipg_buckets.values() if b.buffer is not None
+        ]
+        entries["grads"] += [
+            ("fp32 gradient of the master partition (offload)", t.grad)
+            for t in zero.fp32_partitioned_groups_flat
+            if t.grad is not None
         ]
         entries["optimizer"] = [
             ("fp32 master partition (flat)", t) for t in zero.fp32_partitioned_groups_flat
@@ -145,20 +153,63 @@ class DeepSpeedEngine:
 def itemise_state_bytes(engine: DeepSpeedEngine, n_params: int) -> list[dict[str, Any]]:
     """Each kind of state this rank keeps: its bytes and bytes per model parameter x world size.
 
-    A row with `bytes_per_param_times_n` = 4 costs 4 B per parameter / n, so the ZeRO-3 paper's 16 B/param
-    (fp32 AdamW: param, grad, two moments) appears as 4 + 4 + 8; DeepSpeed adds the fp32 master partition
-    (4 more, even when the parameters are already fp32) and a few scalars. `n_params` counts the unsharded
-    model's elements.
+    Bytes are counted as `labkit.probes.state_bytes` counts them (each storage once, whole, under the first
+    entry that holds it), so the rows sum to the probe's state bytes exactly. A row with
+    `bytes_per_param_times_n` = 4 costs 4 B per parameter / n, so the ZeRO-3 paper's 16 B/param (fp32
+    AdamW: param, grad, two moments) appears as 4 + 4 + 8; DeepSpeed adds the fp32 master partition (4 more,
+    even when the parameters are already fp32), its reduce bucket and AdamW's step. `n_params` counts the
+    unsharded model's elements.
     """
     n = dist.get_world_size()
     rows: dict[tuple[str, str], int] = {}
+    seen: set[int] = set()
     for key, entries in engine.state_entries().items():
         for what, t in entries:
-            rows[(key, what)] = rows.get((key, what), 0) + t.numel() * t.element_size()
+            rows.setdefault((key, what), 0)
+            for st in storages([t]):
+                if id(st) not in seen:
+                    seen.add(id(st))
+                    rows[(key, what)] += st.nbytes()
     return [
         {"state": key, "what": what, "bytes": b, "bytes_per_param_times_n": b * n / n_params}
         for (key, what), b in rows.items()
     ]
+
+
+def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
+    """Bytes per rank between steps, term by term (the `what` of `itemise_state_bytes`), from the config.
+
+    `model` is the unsharded lab model. DeepSpeed 0.19 pads each flattened parameter to a multiple of n, so
+    a rank's partition holds S = sum of ceil(numel / n) elements: parameter partition e x S (e = 2 B in
+    bf16, else 4 B); persistent full copy e x the padded numel of each parameter with numel <=
+    `stage3_param_persistence_threshold` (a view of the padded buffer it was gathered into); gradient
+    partitions e x S; reduce bucket e x `reduce_bucket_size`; fp32 master partition 4 x S; AdamW exp_avg
+    and exp_avg_sq 4 x S each and a 4-byte step (one flat parameter group); with optimizer offload the
+    master partition's fp32 gradient, 4 x S more.
+    """
+    if cfg.offload == "nvme":
+        raise ValueError(
+            "offload='nvme' keeps the master partition and moments in swap files: read swap_file_bytes() "
+            "for them; this accounting covers offload='none' and 'cpu'"
+        )
+    zero = ds_config(cfg, world_size)["zero_optimization"]
+    threshold = zero.get("stage3_param_persistence_threshold", 100_000)
+    elem_bytes = 2 if cfg.dtype == "bfloat16" else 4
+    numels = [p.numel() for p in model.parameters()]
+    part = sum(padded_flat_numel(numel, world_size) // world_size for numel in numels)
+    terms = {
+        "parameter partition": elem_bytes * part,
+        "persistent full copy": elem_bytes
+        * sum(padded_flat_numel(numel, world_size) for numel in numels if numel <= threshold),
+        "gradient partitions (flat)": elem_bytes * part,
+        "reduce bucket (flat)": elem_bytes * int(zero.get("reduce_bucket_size", 500_000_000)),
+        "fp32 gradient of the master partition (offload)": 4 * part if cfg.offload == "cpu" else 0,
+        "fp32 master partition (flat)": 4 * part,
+        "AdamW exp_avg": 4 * part,
+        "AdamW exp_avg_sq": 4 * part,
+        "AdamW step": 4,
+    }
+    return {term: b for term, b in terms.items() if b}
 
 
 def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
