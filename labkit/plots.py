@@ -91,7 +91,7 @@ def memory_bars(results, *, ax=None, transient: bool = True, title: str | None =
 
 def time_bars(result: dict, *, ax=None, title: str | None = None) -> Figure:
     """One step as horizontal bars (s): compute, the communication it needs (by link), and the step with and
-    without one-layer-ahead prefetch (compute followed by the comm left exposed)."""
+    without one-layer-ahead prefetch (compute, then the comm left exposed, then offload's I/O and CPU Adam)."""
     fig, ax = _figure_and_axes(ax, (6.0, 2.6))
     compute = result["compute_time_s"]
     rows = ["step, no prefetch", "step, prefetch", "communication", "compute"]
@@ -101,26 +101,24 @@ def time_bars(result: dict, *, ax=None, title: str | None = None) -> Figure:
         if seconds:
             ax.barh(2, seconds, left=left, color=LINK_COLORS[link], label=f"comm, {link.replace('_', '-')}")
             left += seconds
+    # After the compute and the exposed comm, the step pays what offload adds: PCIe/NVMe transfers, then
+    # CPU Adam on the host (both zero without offload).
+    extras = [("offload_time_s", "#CCB974", "offload I/O"), ("host_optimizer_time_s", "#8172B3", "CPU Adam")]
     for y, exposed in ((1, result["exposed_comm_prefetch_s"]), (0, result["exposed_comm_no_prefetch_s"])):
         ax.barh(y, compute, color="#55A868")
         ax.barh(y, exposed, left=compute, color="#333333", label="exposed comm" if y == 1 else None)
-        if result.get("offload_time_s"):
-            ax.barh(
-                y,
-                result["offload_time_s"],
-                left=compute + exposed,
-                color="#CCB974",
-                label="offload" if y == 1 else None,
-            )
-        total = compute + exposed + result.get("offload_time_s", 0.0)
+        total = compute + exposed
+        for key, colour, label in extras:
+            if result.get(key):
+                ax.barh(y, result[key], left=total, color=colour, label=label if y == 1 else None)
+                total += result[key]
         ax.annotate(
             f"{total:.3g} s", (total, y), va="center", fontsize=8, xytext=(3, 0), textcoords="offset points"
         )
     ax.set_yticks(range(4), rows)
     ax.set_xlabel("seconds per step")
-    ax.set_xlim(
-        0, max(compute + result["exposed_comm_no_prefetch_s"] + result.get("offload_time_s", 0.0), left) * 1.2
-    )
+    longest = compute + result["exposed_comm_no_prefetch_s"] + sum(result.get(k, 0.0) for k, _, _ in extras)
+    ax.set_xlim(0, max(longest, left) * 1.2)
     # Beside the axes: inside, it covers the longest bar and its total, which the x-limits leave room for.
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_title(title or "Time per step")

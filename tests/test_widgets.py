@@ -93,6 +93,12 @@ def test_plots_are_figures_with_one_segment_per_term():
     widths = [p.get_width() for p in t.axes[0].patches]
     assert widths[0] == pytest.approx(budget.plan(30e9, 256)["compute_time_s"])
     assert len(plots.figure_png(t)) > 1000
+    # With the optimizer on the host, the prefetch row ends at the plan's step time: CPU Adam drawn too.
+    offloaded = budget.plan(70e9, 8, "zero3", offload_optimizer="cpu")
+    ax = plots.time_bars(offloaded).axes[0]
+    prefetch_row = [p for p in ax.patches if p.get_y() + p.get_height() / 2 == pytest.approx(1)]
+    assert max(p.get_x() + p.get_width() for p in prefetch_row) == pytest.approx(offloaded["step_time_s"])
+    assert "CPU Adam" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
 @pytest.mark.timeout(300)
