@@ -22,9 +22,17 @@ from engine_helpers import assert_close, reference_losses
 import labkit
 from labkit.budget import collective_wire_bytes, deepspeed_zero_estimate
 from labkit.engines import deepspeed as dse
-from labkit.engines import deepspeed_inspect, loop
+from labkit.engines import deepspeed_inspect, loop, parity
 from labkit.engines.base import RunConfig
-from labkit.engines.ds_config import block_numel, ds_config
+from labkit.engines.ds_config import (
+    block_numel,
+    ds_config,
+    gradient_ready_numels,
+    matched_to_fsdp2,
+    module_units,
+    reduce_bucket_for_calls,
+    reduce_scatters_per_step,
+)
 from labkit.model import build_model, count_params
 from labkit.probes import Probes
 
@@ -351,3 +359,43 @@ def test_quantized_gradients_under_the_deepspeed_launcher_on_cpu_change_nothing_
     assert "all_to_all" not in qgz["comm"] and plain["comm"]["reduce_scatter"]["wire_bytes"] > 0
     assert qgz["comm"] == plain["comm"]  # no all-to-all, no quantized (smaller) payload: the same bytes
     assert_close(qgz["losses"], plain["losses"], rel=0.0)
+
+
+def test_deepspeed_matched_to_fsdp2_issues_the_same_collectives():
+    # Issue 19, item 3: each block a DeepSpeed leaf module and a reduce bucket sized by DeepSpeed's own rule
+    # give FSDP2-at-module-units' calls per step: 2 x 8 all-gathers and 8 reduce-scatters on tiny, the same
+    # wire bytes (tiny divides by 2: no padding on either side), plus DeepSpeed's 8-byte gradient-norm
+    # all-reduce. Without the leaf blocks DeepSpeed gathers every sub-module: 64 calls.
+    assert (
+        ds_config(RunConfig(options=matched_to_fsdp2("tiny")), 2)["zero_optimization"]["reduce_bucket_size"]
+        == 74_400
+    )
+    runs = parity.matched_runs(RunConfig(world_size=2, steps=3))
+    fsdp2_units, ds_matched = loop.run_many(
+        [runs[parity.FSDP2_MODULES], runs[parity.DEEPSPEED_MATCHED]], timeout_s=TIMEOUT_S
+    )
+    assert_close(ds_matched["losses"], reference_losses(RunConfig(steps=3)))
+    assert_close(fsdp2_units["losses"], reference_losses(RunConfig(steps=3)))
+    units = module_units("tiny")
+    assert {k: r["calls"] for k, r in fsdp2_units["comm"].items()} == {
+        "all_gather": 2 * units,
+        "reduce_scatter": units,
+    }
+    calls = {k: r["calls"] for k, r in ds_matched["comm"].items()}
+    assert calls == {"all_gather": 2 * units, "reduce_scatter": units, "all_reduce": 1}
+    assert ds_matched["comm"]["all_reduce"]["payload_bytes"] == 8
+    for kind in ("all_gather", "reduce_scatter"):
+        assert ds_matched["comm"][kind]["wire_bytes"] == fsdp2_units["comm"][kind]["wire_bytes"], kind
+
+
+def test_reduce_bucket_rule_counts_deepspeeds_flushes():
+    # DeepSpeed flushes before a gradient that would overflow a non-empty bucket, and once at the end.
+    assert reduce_scatters_per_step([5, 5, 5], 10) == 2
+    assert reduce_scatters_per_step([5, 20, 5], 10) == 3  # a gradient above the bucket goes alone
+    # Measured on tiny (2 ranks, DeepSpeed 0.19.8): 5 reduce-scatters with one block's bucket, 7 with 80,000.
+    order = gradient_ready_numels("tiny")
+    assert sum(order) == count_params(build_model())
+    assert reduce_scatters_per_step(order, block_numel("tiny")) == 5
+    assert reduce_scatters_per_step(order, 80_000) == 7
+    with pytest.raises(ValueError, match="no reduce_bucket_size makes DeepSpeed reduce-scatter 100 times"):
+        reduce_bucket_for_calls("tiny", 100)

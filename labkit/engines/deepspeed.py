@@ -298,10 +298,18 @@ def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> DeepSpeedEng
     """`deepspeed.initialize` the model with ZeRO-3 and the run's AdamW, in the existing process group.
 
     DeepSpeed re-points the AdamW at its flat fp32 partition, so the optimizer's state is 1/n of the model.
+    With `options["z3_leaf_blocks"]` each block is a ZeRO-3 leaf module: one all-gather per block and
+    direction instead of one per sub-module (`ds_config.matched_to_fsdp2`).
     """
     refuse_cuda_only_flags(cfg)
     refuse_nvme_without_async_io(cfg)
     config = ds_config(cfg, rank_info.world_size)
+    if cfg.options.get("z3_leaf_blocks"):
+        # DeepSpeed's own switch for coarser units: a leaf module's parameters are gathered in one call
+        # when it starts (and released when it ends), its sub-modules get no hooks of their own.
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, [type(model.blocks[0])])
     engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters(), cfg), config=config)
     swap_dir = config["zero_optimization"].get("offload_optimizer", {}).get("nvme_path")
     return DeepSpeedEngine(engine, swap_dir)

@@ -11,8 +11,11 @@ release it after, every step. `mode="defaults"` leaves DeepSpeed's own values, t
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 from labkit.engines.base import RunConfig
@@ -50,6 +53,77 @@ def block_numel(model: str) -> int:
     worth makes it reduce-scatter about once per block, as FSDP2 does, and keeps the bucket in proportion.
     """
     return sum(p.numel() for p in Block(model_config(model)).parameters())
+
+
+@functools.cache
+def gradient_ready_numels(model: str) -> tuple[int, ...]:
+    """Elements of each parameter of `model`, in the order backward finishes their gradients.
+
+    The order DeepSpeed adds gradients to its reduce bucket (one backward of the plain model on one
+    sequence: the order does not depend on the batch).
+    """
+    from labkit.model import batch, loss_fn
+
+    net, order = build_model(model), []
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: order.append(p.numel()))
+    tokens, targets = batch(0, model)
+    loss_fn(net(tokens[:1]), targets[:1]).backward()
+    return tuple(order)
+
+
+def reduce_scatters_per_step(numels: Sequence[int], bucket_numel: int) -> int:
+    """How many reduce-scatters DeepSpeed 0.19 issues per step for gradients arriving as `numels`.
+
+    Its rule (`reduce_independent_p_g_buckets_and_remove_grads`): before adding a gradient, flush the
+    bucket if it is not empty and the gradient would overflow it; flush what is left at the end.
+    """
+    calls, filled = 0, 0
+    for numel in numels:
+        if filled and filled + numel > bucket_numel:
+            calls, filled = calls + 1, 0
+        filled += numel
+    return calls + (filled > 0)
+
+
+def reduce_bucket_for_calls(model: str, calls: int) -> int:
+    """The smallest `reduce_bucket_size` (elements) with which DeepSpeed reduce-scatters `calls` times a step.
+
+    Candidates are the sums of consecutive gradients (only those change the count); a ValueError in a
+    sentence when no bucket size gives exactly `calls`.
+    """
+    numels = gradient_ready_numels(model)
+    prefix = [0, *itertools.accumulate(numels)]
+    sums = sorted({prefix[j] - prefix[i] for i in range(len(numels)) for j in range(i + 1, len(prefix))})
+    for bucket in sums:
+        if reduce_scatters_per_step(numels, bucket) == calls:
+            return bucket
+    raise ValueError(
+        f"no reduce_bucket_size makes DeepSpeed reduce-scatter {calls} times a step on {model!r}"
+    )
+
+
+def module_units(model: str) -> int:
+    """Units when every module that holds parameters directly is one: each block plus each root module
+    (tok, pos, ln_f, head on the lab's GPT). DeepSpeed's with its blocks as leaves; FSDP2's in
+    `labkit.engines.parity`."""
+    net = build_model(model)
+    root = [m for m in net.children() if m is not net.blocks and any(True for _ in m.parameters())]
+    return len(net.blocks) + len(root)
+
+
+def matched_to_fsdp2(model: str) -> dict[str, Any]:
+    """`cfg.options` under which DeepSpeed's collectives per step equal FSDP2's at module units.
+
+    With the fair knobs DeepSpeed gathers every sub-module separately (64 all-gathers a step on tiny, where
+    FSDP2's per-block units take 2 x blocks + 1 = 9). Each block a leaf module makes it one gather per
+    block and direction; the root's four modules stay four units (DeepSpeed cannot merge siblings without
+    a change to the model), so FSDP2 meets it there (`parity.Fsdp2ModuleUnits`): 2 x units all-gathers.
+    Its reduce bucket is sized so that it reduce-scatters once per unit, as FSDP2 does (same bytes; the
+    bucket's boundaries are not the units'). DeepSpeed keeps one all-reduce of 8 B, its gradient norm.
+    """
+    bucket = reduce_bucket_for_calls(model, module_units(model))
+    return {"z3_leaf_blocks": True, "zero_overrides": {"reduce_bucket_size": bucket}}
 
 
 def offload_section(cfg: RunConfig) -> dict[str, Any]:
@@ -106,9 +180,10 @@ def ds_config(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, 
     `hpz_node_size`), "ds_mode" ("fair" or "defaults",
     overriding `mode`), "offload_param" (True: the parameter shards go where `cfg.offload` sends the
     optimizer state and its step: "cpu" or "nvme"), "nvme_path" (the swap folder of "nvme"),
-    "zero_overrides" (a dict merged last into `zero_optimization`: one ZeRO-3 knob turned at a time) and
+    "zero_overrides" (a dict merged last into `zero_optimization`: one ZeRO-3 knob turned at a time),
     "comms_logger" (True: DeepSpeed's own comms logger records every collective, for
-    `deepspeed.comms_logger_summary`).
+    `deepspeed.comms_logger_summary`) and "z3_leaf_blocks" (True: each block is a ZeRO-3 leaf module,
+    gathered in one call; read by the engine's `build`, see `matched_to_fsdp2`).
     """
     mode = cfg.options.get("ds_mode", mode)
     if mode not in MODES:

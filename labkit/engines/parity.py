@@ -1,0 +1,122 @@
+"""FSDP2 and DeepSpeed ZeRO-3 at matched granularity: the same collectives per step, then the step times.
+
+Claim 21 says neither is faster at equal tuning. Equal tuning means equal units: with the fair knobs
+DeepSpeed gathers every sub-module by itself (64 all-gathers a step on tiny against FSDP2's 9), and on gloo
+each call costs milliseconds whatever its size. `ds_config.matched_to_fsdp2` makes each block a DeepSpeed
+leaf module and sizes its reduce bucket; `Fsdp2ModuleUnits` gives FSDP2 DeepSpeed's remaining units (the
+root's four modules each a unit). `run_parity` trains both, and FSDP2 at its own per-block units, in turn
+on the same ranks, several times, and sets their calls, bytes and step times side by side.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from labkit.engines import fsdp2
+from labkit.engines.base import RankInfo, RunConfig, adamw
+from labkit.engines.ds_config import matched_to_fsdp2
+from labkit.engines.loop import run_many
+
+FSDP2_BLOCKS = "fsdp2, per-block units"
+FSDP2_MODULES = "fsdp2, module units"
+DEEPSPEED_MATCHED = "deepspeed, matched"
+
+
+class Fsdp2ModuleUnits:
+    """The fsdp2 engine with every module that holds parameters a unit: `fully_shard` on each block and on
+    each of the root's modules (tok, pos, ln_f, head), then on the (now parameter-free) root."""
+
+    name = "fsdp2"
+
+    def build(self, cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> fsdp2.Fsdp2Engine:
+        n = rank_info.world_size
+        mesh = fsdp2.device_mesh(rank_info.device.type, n)
+        common = fsdp2.shard_kwargs(cfg, mesh)
+        reshard = fsdp2.block_reshard(cfg, n)
+        for module in model.children():
+            if module is model.blocks:
+                for block in module:
+                    fully_shard(block, reshard_after_forward=reshard, **common)
+            elif any(True for _ in module.parameters()):
+                fully_shard(module, reshard_after_forward=reshard, **common)
+        fully_shard(model, **common)
+        if cfg.prefetch:
+            fsdp2.set_explicit_prefetch(model, int(cfg.options.get("prefetch_depth", 1)))
+        fsdp2.assert_sharded(model, mesh)
+        return fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), rank_info.device)
+
+
+def matched_runs(cfg: RunConfig) -> dict[str, tuple[Any, RunConfig]]:
+    """{label: (engine, cfg)}: FSDP2 at its per-block units, FSDP2 at module units, DeepSpeed matched to it.
+
+    Neither side prefetches: DeepSpeed's fair knobs keep one parameter live, which stops its prefetch, so
+    FSDP2 runs with `prefetch=False` too (it keeps its implicit one-block backward prefetch, which has no
+    switch, and which on gloo issues the same blocking gather a little earlier).
+    """
+    cfg = replace(cfg, prefetch=False)
+    ds_cfg = replace(cfg, options={**cfg.options, **matched_to_fsdp2(cfg.model)})
+    return {
+        FSDP2_BLOCKS: ("fsdp2", cfg),
+        FSDP2_MODULES: (Fsdp2ModuleUnits(), cfg),
+        DEEPSPEED_MATCHED: ("deepspeed", ds_cfg),
+    }
+
+
+def run_parity(cfg: RunConfig, repeats: int = 3, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Train `matched_runs(cfg)` `repeats` times, interleaved, in one launch; per label a summary.
+
+    Per label: "calls" and "wire_bytes" per step by collective (rank 0, last step), "median_step_s" per
+    repetition (`tables.median_step_s`: steps after the first), "step_s" (the median of those), "spread"
+    (max / min of them) and "losses" (the first repetition's). "ratio": DeepSpeed matched / FSDP2 at module
+    units, each repetition's pair, and their median.
+    """
+    from labkit.tables import median_step_s
+
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: pass 1 or more repetitions")
+    runs = matched_runs(cfg)
+    order = [label for _ in range(repeats) for label in runs]
+    records = run_many([runs[label] for label in order], timeout_s=timeout_s)
+    out: dict[str, Any] = {}
+    for label in runs:
+        mine = [r for lab, r in zip(order, records, strict=True) if lab == label]
+        medians = [median_step_s(r) for r in mine]
+        out[label] = {
+            "calls": {k: row["calls"] for k, row in mine[-1]["comm"].items()},
+            "wire_bytes": {k: row["wire_bytes"] for k, row in mine[-1]["comm"].items()},
+            "median_step_s": medians,
+            "step_s": statistics.median(medians),
+            "spread": max(medians) / min(medians),
+            "losses": mine[0]["losses"],
+        }
+    pairs = [
+        d / f
+        for d, f in zip(
+            out[DEEPSPEED_MATCHED]["median_step_s"], out[FSDP2_MODULES]["median_step_s"], strict=True
+        )
+    ]
+    return {
+        "config": cfg.to_dict(),
+        "engines": out,
+        "ratio": {"per_repeat": pairs, "median": statistics.median(pairs)},
+    }
+
+
+def parity_table(result: dict[str, Any]) -> str:
+    """`run_parity`'s result as a fixed-width table: calls and wire bytes by collective, step time, spread."""
+    lines = [f"{'engine':<24} {'all-gathers':>11} {'reduce-scatters':>15} {'all-reduces':>11} "
+             f"{'wire MB':>8} {'step ms':>8} {'spread':>6}"]  # fmt: skip
+    for label, row in result["engines"].items():
+        calls = row["calls"]
+        lines.append(
+            f"{label:<24} {calls.get('all_gather', 0):>11} {calls.get('reduce_scatter', 0):>15} "
+            f"{calls.get('all_reduce', 0):>11} {sum(row['wire_bytes'].values()) / 1e6:>8.3f} "
+            f"{row['step_s'] * 1e3:>8.1f} {row['spread']:>6.2f}"
+        )
+    lines.append(f"deepspeed matched / fsdp2 module units: {result['ratio']['median']:.2f} (median of pairs)")
+    return "\n".join(lines)
