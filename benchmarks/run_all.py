@@ -2,6 +2,8 @@
 
     python benchmarks/run_all.py [--quick] [--no-course] [--out benchmarks/results.md]
 
+(`benchmarks/cpu_adam.py` measures its one section alone and writes it into the same file.)
+
 Every figure is a median over repetitions that alternate between the engines (after one warm-up step per
 run, which is dropped), so a machine that slows down during the run slows every engine alike. Absolute
 times depend on the machine; the ratios are what the targets of the performance issue are about.
@@ -244,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", "## The course, end to end (papermill, one notebook at a time; then `labkit grade`)", "",
                   *(f"- {k}: {v:.0f} s" for k, v in course.items()),
                   f"- total {sum(course.values()):.0f} s (target < {TARGETS['course s']:.0f} s)"]  # fmt: skip
+
+    import cpu_adam  # this folder's own script (benchmarks/ is on sys.path when run_all.py runs)
+
+    lines += ["", *cpu_adam.section_lines(cpu_adam.measure([10**6, 10**7], reps=5 * reps))]
 
     lines += ["", "## Against the targets", ""]
     for (model, n, dtype), r in ratios.items():
