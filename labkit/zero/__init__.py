@@ -2,16 +2,19 @@
 a unit's weights are all-gathered just before its forward and again before its backward, and its gradients
 are reduce-scattered back into the shards as soon as they exist.
 
+    units.py      which modules are units (model.blocks, a list, or instances_of(...)), who owns each param
     sharding.py   how a parameter (FSDP2 way) or a block (FSDP1 way) is cut into n shards
     unit.py       one unit's shards, full buffers and its coalesced all-gather / reduce-scatter
     hooks.py      the four moments (before_forward, after_forward, before_backward, after_grad)
     prefetch.py   the next unit's all-gather in flight while this one computes
     optimizer.py  AdamW on the shards, optionally with its state offloaded to host memory
+    hsdp.py       HSDP's two groups: shard inside g ranks, all-reduce gradient shards across the n/g replicas
     checkpoint.py save the shards of every rank, load them back at any world size
-    comm.py       the two collectives, the only place that talks to torch.distributed
+    comm.py       the collectives, the only place that talks to torch.distributed
 """
 
 from labkit.zero.hooks import ZeRO3
 from labkit.zero.optimizer import ShardedAdamW
+from labkit.zero.units import instances_of
 
-__all__ = ["ZeRO3", "ShardedAdamW"]
+__all__ = ["ZeRO3", "ShardedAdamW", "instances_of"]

@@ -5,6 +5,8 @@
 
 Loading at another world size rebuilds each full tensor from the old shards (dropping their padding) and
 cuts the new rank's rows from it, so a run resumed on 2 ranks from a checkpoint of 4 continues exactly.
+"World size" is the shard group's: under HSDP the first shard group writes (the others hold copies of
+the same shards) and a load cuts rows for the loading shard group. Frozen shards are saved like the rest.
 """
 
 from __future__ import annotations
@@ -25,11 +27,20 @@ def _full_shapes(zero: ZeRO3) -> dict[str, list[int]]:
     return {prefix[u] + sp.name: [sp.d0, *sp.shard.shape[1:]] for u in zero.units for sp in u.params}
 
 
+def _optimizer_names(zero: ZeRO3, optimizer: ShardedAdamW) -> list[str]:
+    """The model name of each shard `optimizer` updates (all of them, or only the trainable ones)."""
+    name_of = {id(shard): name for name, shard in zero.named_shards()}
+    return [name_of[id(shard)] for shard in optimizer.shards]
+
+
 def save(path: str, zero: ZeRO3, optimizer: ShardedAdamW) -> None:
     """Write this rank's shards under directory `path` (collective: every rank calls it)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = dist.get_rank(zero.group), dist.get_world_size(zero.group)
+    if dist.get_rank() != rank:  # HSDP: a replica of the first shard group's shards, written by it
+        dist.barrier()
+        return
     os.makedirs(path, exist_ok=True)
-    names = [name for name, _ in zero.named_shards()]
+    names = _optimizer_names(zero, optimizer)
     state = {
         "params": {n: s.clone() for n, s in zero.named_shards()},
         "exp_avg": dict(zip(names, (t.clone() for t in optimizer.exp_avg), strict=True)),
@@ -62,18 +73,18 @@ def load(path: str, zero: ZeRO3, optimizer: ShardedAdamW) -> None:
             "load it into the model it was saved from"
         )
     old = [torch.load(os.path.join(path, f"rank{r}.pt")) for r in range(meta["world_size"])]
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = dist.get_rank(zero.group), dist.get_world_size(zero.group)
 
     def reshard(kind: str, name: str) -> torch.Tensor:
         full = unshard_dim0([o[kind][name] for o in old], expected[name][0])
         return shard_dim0(full, rank, world_size)
 
-    named = zero.named_shards()
     with torch.no_grad():
-        for name, shard in named:
+        for name, shard in zero.named_shards():
             shard.copy_(reshard("params", name))
+    names = _optimizer_names(zero, optimizer)
     optimizer.load_state_dict({
         "step": old[0]["step"],
-        "exp_avg": [reshard("exp_avg", name) for name, _ in named],
-        "exp_avg_sq": [reshard("exp_avg_sq", name) for name, _ in named],
+        "exp_avg": [reshard("exp_avg", name) for name in names],
+        "exp_avg_sq": [reshard("exp_avg_sq", name) for name in names],
     })  # fmt: skip

@@ -1,9 +1,10 @@
-"""The two collectives of ZeRO-3, and nothing else: every byte the scratch engine moves goes through here.
+"""The collectives of ZeRO-3, and nothing else: every byte the scratch engine moves goes through here.
 
     all-gather      (n-1)/n x full size per rank   weights, before forward and again before backward
     reduce-scatter  (n-1)/n x full size per rank   gradients, once per step
+    all-reduce      2(r-1)/r x shard size per rank HSDP only: gradient shards across the r replica groups
 
-Both call the public `torch.distributed` functions by attribute at call time, so the probes (which wrap
+All call the public `torch.distributed` functions by attribute at call time, so the probes (which wrap
 those functions from outside) see exactly what the engine sends, and the emulated link delays them.
 """
 
@@ -28,3 +29,8 @@ def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group=None, asyn
     needs, (n-1)/n x full size, because that is what the algorithm pays on a real interconnect.
     """
     return dist.reduce_scatter_single(shard_out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group=None) -> None:
+    """Sum `tensor` in place over the ranks of `group` (HSDP: one gradient shard across the replicas)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

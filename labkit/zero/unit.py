@@ -5,7 +5,8 @@ Each parameter keeps three things:
     full        a persistent padded buffer (n*k x trailing shape) in the compute dtype; the module's
                 parameter is a view of its first d0 rows. Freeing it resizes its storage to 0 bytes and
                 gathering resizes it back, so views autograd saved in forward stay valid for backward.
-    shard.grad  this rank's rows of the mean gradient, float32: a view of the unit's `grad_shard`
+    shard.grad  this rank's rows of the mean gradient, float32: a view of the unit's `grad_shard`; a frozen
+                parameter (`requires_grad=False`) has none: it is gathered, never reduce-scattered
 
 The weights move through three states (`ShardedState`), one method per arrow:
 
@@ -16,8 +17,9 @@ issued it) or unsharded (the weights were kept after forward), `finish_gather` w
 while sharded. Any other call out of order raises a sentence that says which call comes first.
 
 Communication is coalesced per unit: the shards are copied into one send buffer, one all-gather fills a
-receive buffer laid out rank after rank, and each parameter's rows are copied out of it. The gradients go
-the other way through one reduce-scatter, started and then finished once per step.
+receive buffer laid out rank after rank, and each parameter's rows are copied out of it. The gradients of
+the trainable parameters go the other way through one reduce-scatter, started and then finished once per
+step. Under HSDP (`replicate_group`) the shard is then all-reduced across the replica groups.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class PendingReduceScatter(NamedTuple):
 
 @dataclass
 class ShardedParam:
-    """A parameter of a unit, sharded on dim 0. Sizes in elements; `offset` is its place in a rank's chunk."""
+    """A parameter of a unit, sharded on dim 0. Sizes in elements; `offset` is its place in a rank's
+    all-gather chunk, `grad_offset` its place in the unit's gradient shard (None: frozen, no gradient)."""
 
     name: str
     param: nn.Parameter  # the module's parameter: a view of `full`'s first d0 rows
@@ -73,6 +76,7 @@ class ShardedParam:
     d0: int
     rows: int
     offset: int
+    grad_offset: int | None = None
 
     @property
     def shard_numel(self) -> int:
@@ -80,34 +84,49 @@ class ShardedParam:
 
 
 class ShardedUnit:
-    """The parameters that one module owns directly, sharded across `group`, and their collectives."""
+    """The parameters that one module owns directly, sharded across `group`, and their collectives.
 
-    def __init__(self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]], group, dtype):
+    `replicate_group` (HSDP): the ranks holding the same shards in the other shard groups; each gradient
+    shard is all-reduced across them after the reduce-scatter. The mean is over both groups' ranks.
+    """
+
+    def __init__(self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]], group, dtype,
+                 replicate_group=None):  # fmt: skip
         self.name = name
         self.module = module
         self.group = group
+        self.replicate_group = replicate_group
         self.dtype = dtype
         self.world_size = dist.get_world_size(group)
-        rank = dist.get_rank(group)
-        self.params: list[ShardedParam] = []
-        offset = 0
-        for pname, p in params:
-            rows, padded = dim0_rows(p.shape[0], self.world_size)
-            shard = shard_dim0(p.detach().float(), rank, self.world_size)
-            full = torch.zeros((padded, *p.shape[1:]), dtype=dtype, device=p.device)
-            p.data = full[: p.shape[0]]
-            self.params.append(ShardedParam(pname, p, full, shard, p.shape[0], rows, offset))
-            offset += shard.numel()
-        self.chunk_numel = offset  # elements this rank contributes to each all-gather
+        self.replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self.params = self._shard(params, dist.get_rank(group))
+        self.trainable = [sp for sp in self.params if sp.grad_offset is not None]
+        self.chunk_numel = sum(sp.shard_numel for sp in self.params)  # elements sent to each all-gather
         # The gradient shard is persistent state (4 B/param / n in float32): the reduce-scatter writes
-        # into it every step and each shard's `.grad` is a view of it.
-        self.grad_shard = torch.zeros(offset, dtype=torch.float32, device=self.params[0].shard.device)
-        for sp in self.params:
-            sp.shard.grad = self.grad_shard[sp.offset : sp.offset + sp.shard_numel].view_as(sp.shard)
+        # into it every step and each trainable shard's `.grad` is a view of it.
+        grad_numel = sum(sp.shard_numel for sp in self.trainable)
+        self.grad_shard = torch.zeros(grad_numel, dtype=torch.float32, device=self.params[0].shard.device)
+        for sp in self.trainable:
+            at = sp.grad_offset
+            sp.shard.grad = self.grad_shard[at : at + sp.shard_numel].view_as(sp.shard)
         self.state = ShardedState.UNSHARDED  # the full buffers hold real weights until the first free()
         self._gather: PendingGather | None = None  # set exactly while GATHERING
         self._reduce_scatter: PendingReduceScatter | None = None
         self.free()
+
+    def _shard(self, params: list[tuple[str, nn.Parameter]], rank: int) -> list[ShardedParam]:
+        """Cut each parameter's rows for this rank and make the module's parameter a view of its full buffer."""
+        out, offset, grad_offset = [], 0, 0
+        for pname, p in params:
+            rows, padded = dim0_rows(p.shape[0], self.world_size)
+            shard = shard_dim0(p.detach().float(), rank, self.world_size)
+            full = torch.zeros((padded, *p.shape[1:]), dtype=self.dtype, device=p.device)
+            p.data = full[: p.shape[0]]
+            at = grad_offset if p.requires_grad else None
+            out.append(ShardedParam(pname, p, full, shard, p.shape[0], rows, offset, at))
+            offset += shard.numel()
+            grad_offset += shard.numel() if p.requires_grad else 0
+        return out
 
     # -------------------------------------------------------------- all-gather: shards -> full weights
 
@@ -158,7 +177,8 @@ class ShardedUnit:
         """Sum the full gradients over ranks into this rank's shard (float32), then free the full ones.
 
         The send buffer is laid out rank after rank, like the all-gather's receive buffer: rows
-        [r*k, (r+1)*k) of every parameter's gradient (zero-padded to n*k rows) go into rank r's chunk.
+        [r*k, (r+1)*k) of every trainable parameter's gradient (zero-padded to n*k rows) go into rank r's
+        chunk. A parameter this step did not use has no gradient and sends zeros: its mean gradient is 0.
         """
         if self._reduce_scatter is not None:
             raise RuntimeError(
@@ -166,9 +186,9 @@ class ShardedUnit:
                 "call finish_reduce_scatter() first"
             )
         n = self.world_size
-        send = torch.empty(n, self.chunk_numel, dtype=torch.float32, device=self.params[0].shard.device)
-        for sp in self.params:
-            chunk = send[:, sp.offset : sp.offset + sp.shard_numel]
+        send = torch.empty(n, self.grad_shard.numel(), dtype=torch.float32, device=self.grad_shard.device)
+        for sp in self.trainable:
+            chunk = send[:, sp.grad_offset : sp.grad_offset + sp.shard_numel]
             grad = sp.param.grad
             if grad is None:  # a parameter this step did not use: it contributes zeros
                 chunk.zero_()
@@ -181,7 +201,8 @@ class ShardedUnit:
         self._reduce_scatter = PendingReduceScatter(work, send)
 
     def finish_reduce_scatter(self) -> None:
-        """Wait for the reduce-scatter; the gradient shard then holds the sum, divided here into the mean."""
+        """Wait for the reduce-scatter; the gradient shard then holds the shard group's sum, summed across
+        the replica groups under HSDP, and divided here into the mean over every rank."""
         if self._reduce_scatter is None:
             raise RuntimeError(
                 f"finish_reduce_scatter() on unit {self.name}, which has no reduce-scatter in flight; "
@@ -190,7 +211,9 @@ class ShardedUnit:
         work, _send = self._reduce_scatter
         if work is not None:
             work.wait()
-        self.grad_shard.div_(self.world_size)
+        if self.replicas > 1:  # HSDP: after the reduce-scatter in the shard group, across the replicas
+            comm.all_reduce(self.grad_shard, self.replicate_group)
+        self.grad_shard.div_(self.world_size * self.replicas)
         self._reduce_scatter = None
 
     def shards(self) -> list[torch.Tensor]:
