@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
-from engine_helpers import reference_losses
+from engine_helpers import assert_close, reference_losses
 from torch import nn
 
 import labkit
 from labkit import budget
+from labkit.budget import collective_wire_bytes
+from labkit.cli import main
 from labkit.collectives import Patch
 from labkit.engines import scratch
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import rank_info, run, train_steps
+from labkit.engines.loop import rank_info, run, train_steps, validate
 from labkit.model import batch, build_model, count_params, loss_fn
 from labkit.probes import state_bytes
 from labkit.zero import ShardedAdamW, ZeRO3, checkpoint
+from labkit.zero.hooks import model_units
 from labkit.zero.sharding import (
     dim0_layout,
     dim0_rows,
@@ -290,24 +294,84 @@ def test_a_module_without_blocks_is_refused_and_one_rank_is_a_valid_degenerate_z
 
 
 @pytest.mark.parametrize(
-    "model,n,dtype,reshard",
+    "model,n,dtype,reshard,hsdp",
     [
-        ("tiny_uneven", 3, "float32", True),
-        ("tiny", 4, "bfloat16", False),
-        ("tiny_uneven", 2, "float32", True),
+        ("tiny_uneven", 3, "float32", True, None),
+        ("tiny", 4, "bfloat16", False, None),
+        ("tiny_uneven", 2, "float32", True, None),
+        ("tiny_uneven", 4, "float32", True, 2),  # HSDP: padding to 2 rows inside each shard group
+        ("tiny", 2, "float32", False, 1),  # HSDP's limit: shard groups of 1 rank are DDP's all-reduce
     ],
 )
-def test_measured_wire_bytes_are_the_formula_for_the_padded_model(model, n, dtype, reshard):
-    cfg = RunConfig(model=model, world_size=n, steps=2, dtype=dtype, reshard_after_forward=reshard)
-    comm = run("scratch", cfg)["comm"]
+def test_measured_wire_bytes_are_the_formula_for_the_padded_model(model, n, dtype, reshard, hsdp):
+    options = {} if hsdp is None else {"hsdp_shard_size": hsdp}
+    cfg = RunConfig(model=model, world_size=n, steps=2, dtype=dtype, reshard_after_forward=reshard,
+                    options=options)  # fmt: skip
+    record = run("scratch", cfg)
+    comm = record["comm"]
     predicted = scratch.predicted_wire_bytes(build_model(model), cfg, n)
     assert {k: v["wire_bytes"] for k, v in comm.items()} == predicted
     units = 1 + len(build_model(model).blocks)
     assert comm["all_gather"]["calls"] == (2 if reshard else 1) * units
     assert comm["reduce_scatter"]["calls"] == units
-    if reshard and dtype == "float32":  # the issue's statement: AG = 2 x (n-1)/n x padded bytes, RS = 1 x
+    if hsdp is not None:  # gathers and reduce-scatters in rank 0's shard group, all-reduces across groups
+        assert comm["all_reduce"]["calls"] == units
+        groups = {c["kind"]: c["group_ranks"] for c in record["collective_calls"]}
+        assert groups == {"all_gather": list(range(hsdp)), "reduce_scatter": list(range(hsdp)),
+                          "all_reduce": list(range(0, n, hsdp))}  # fmt: skip
+    elif reshard and dtype == "float32":  # the issue's statement: AG = 2 x (n-1)/n x padded bytes, RS = 1 x
         padded_bytes = 4 * sum(
             budget.padded_numel(tuple(p.shape), n) for p in build_model(model).parameters()
         )
         assert comm["all_gather"]["wire_bytes"] == 2 * (n - 1) * padded_bytes // n
         assert comm["reduce_scatter"]["wire_bytes"] == (n - 1) * padded_bytes // n
+
+
+# ------------------------------------------------------------------------------------------ HSDP
+
+
+def test_scratch_hsdp_in_labkit_compare_matches_fsdp2_single_and_the_budget(tmp_path, capsys):
+    out = tmp_path / "hsdp.json"
+    argv = ["compare", "--engines", "single,scratch,fsdp2", "--hsdp", "2", "--world-size", "4", "--steps", "3",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    engines = json.loads(out.read_text())["engines"]
+    ours, theirs = engines["scratch"], engines["fsdp2"]
+    assert_close(ours["losses"], engines["single"]["losses"], rel=1e-4)
+    assert_close(ours["losses"], theirs["losses"], rel=1e-5)
+    model = build_model("tiny")
+    n_params = count_params(model)
+    # State per rank: 16 B/param / 2 (the shard group), not / 4; FSDP2's AdamW adds a 4-byte step per tensor.
+    plan = budget.plan(n_params, 4, "hsdp", group_size=2, precision="fp32")
+    assert sum(ours["state_bytes"].values()) == plan["state_bytes_per_rank"] == 16 * n_params // 2
+    assert ours["state_bytes"] == theirs["state_bytes"] | {
+        "optimizer": theirs["state_bytes"]["optimizer"] - 4 * len(list(model.parameters()))
+    }
+    wire = {
+        engine: {k: row["wire_bytes"] for k, row in rec["comm"].items()} for engine, rec in engines.items()
+    }
+    traffic = plan["traffic_bytes_by_collective"]
+    assert wire["scratch"] == {
+        "all_gather": traffic["all_gather_forward"] + traffic["all_gather_backward"],
+        "reduce_scatter": traffic["reduce_scatter"],
+        "all_reduce": traffic["all_reduce"],
+    }
+    # The one documented difference: FSDP2 keeps the root gathered from forward to backward.
+    root_bytes = 4 * sum(p.numel() for _, p in model_units(model)[0][2])
+    assert wire["scratch"] == wire["fsdp2"] | {
+        "all_gather": wire["fsdp2"]["all_gather"] + collective_wire_bytes("all_gather", root_bytes, 2)
+    }
+
+
+def test_options_the_scratch_engine_does_not_implement_are_refused_in_one_sentence(capsys, monkeypatch):
+    monkeypatch.setattr("labkit.cluster.max_ranks", lambda device_type=None: 8)
+    validate(["scratch"], RunConfig(world_size=4, options={"hsdp_shard_size": 2}))  # implemented: accepted
+    assert main(["compare", "--engines", "single,scratch", "--world-size", "4", "--hpz", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "labkit compare: options ['zero_hpz_partition_size']: the scratch engine has no such setting "
+        "(zero_hpz_partition_size, --hpz, is DeepSpeed's); it takes hsdp_shard_size"
+    )
+    with pytest.raises(ValueError, match="hsdp_shard_size=3: pass a number of ranks that divides"):
+        validate(["scratch"], RunConfig(world_size=4, options={"hsdp_shard_size": 3}))

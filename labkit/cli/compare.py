@@ -91,8 +91,8 @@ def register(subparsers) -> None:
         const=0,
         default=None,
         metavar="RANKS",
-        help="fsdp2: HSDP, shard groups of RANKS ranks (default: one node's, LOCAL_WORLD_SIZE) replicated "
-        "across the others",
+        help="fsdp1, fsdp2, scratch: HSDP, shard groups of RANKS ranks (default: one node's, LOCAL_WORLD_SIZE) "
+        "replicated across the others",
     )
     p.add_argument(
         "--hpz",

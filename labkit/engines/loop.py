@@ -114,6 +114,8 @@ def validate(engines: Sequence[str], cfg: RunConfig) -> None:
         )
     if "fsdp1" in engines:  # FSDP1's own refusals (host offload on CPU, hpZ, ...) as one sentence here
         importlib.import_module(engine_module_name("fsdp1")).check_run(cfg)
+    if "scratch" in engines:  # options it does not implement (hpZ, ...) are refused, not ignored
+        importlib.import_module(engine_module_name("scratch")).check_run(cfg)
 
 
 # ------------------------------------------------------------------------------------------------ rank

@@ -2,7 +2,9 @@
 
 Options from `RunConfig`: `prefetch`, `reshard_after_forward`, `dtype` ("bfloat16": bf16 gathered weights
 and compute, float32 gradient reduction, master shards and AdamW), `offload` ("cpu": the optimizer state
-in separate host buffers, see `labkit.zero.optimizer`).
+in separate host buffers, see `labkit.zero.optimizer`). From `cfg.options` (anything else is refused by
+`check_run`, never ignored): `hsdp_shard_size` (int, or "node"), HSDP over shard groups of that many
+consecutive ranks, replicated across the others (`labkit.zero.hsdp`); `labkit compare --hsdp` sets it.
 """
 
 from __future__ import annotations
@@ -14,27 +16,61 @@ from labkit.budget import collective_wire_bytes, padded_numel
 from labkit.engines.base import RankInfo, RunConfig
 from labkit.model import loss_fn
 from labkit.zero import ShardedAdamW, ZeRO3
+from labkit.zero.hsdp import hsdp_groups
+from labkit.zero.units import UnitSpec, model_units
 
 NAME = "scratch"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+OPTIONS = ("hsdp_shard_size",)  # the cfg.options keys it honours
+
+
+def check_run(cfg: RunConfig) -> None:
+    """Refuse, in one sentence naming the engine and the setting, any option this engine does not do."""
+    unknown = sorted(set(cfg.options) - set(OPTIONS))
+    if unknown:
+        whose = ""
+        if "zero_hpz_partition_size" in unknown:
+            whose = " (zero_hpz_partition_size, --hpz, is DeepSpeed's)"
+        raise ValueError(
+            f"options {unknown}: the scratch engine has no such setting{whose}; it takes {', '.join(OPTIONS)}"
+        )
+    shard_size(cfg, cfg.world_size)
+
+
+def shard_size(cfg: RunConfig, world_size: int) -> int:
+    """Ranks per shard group: `options["hsdp_shard_size"]` ("node": one node's ranks), else every rank."""
+    if "hsdp_shard_size" not in cfg.options:
+        return world_size  # without importing fsdp2 (about 1 s per rank)
+    from labkit.engines.fsdp2 import hsdp_shard_size  # the one reading of the option, shared with fsdp2
+
+    return hsdp_shard_size(cfg, world_size)
 
 
 class ScratchEngine:
-    """The model sharded by `ZeRO3` and a `ShardedAdamW` over this rank's shards."""
+    """The model sharded by `ZeRO3` and a `ShardedAdamW` over this rank's trainable shards.
+
+    `units`: which modules to shard one at a time (`ZeRO3`'s `units`; None: `model.blocks`), for a model
+    that is not the lab's.
+    """
 
     name = NAME
 
-    def __init__(self, model: nn.Module, cfg: RunConfig, info: RankInfo):
+    def __init__(self, model: nn.Module, cfg: RunConfig, info: RankInfo, units: UnitSpec = None):
         self.model = model.to(info.device)
+        g = shard_size(cfg, info.world_size)
+        groups = hsdp_groups(g) if g < info.world_size else None
         self.zero = ZeRO3(
             self.model,
+            group=groups.shard if groups else None,
             reshard_after_forward=cfg.reshard_after_forward,
             prefetch=cfg.prefetch,
             compute_dtype=DTYPES[cfg.dtype],
+            units=units,
+            replicate_group=groups.replicate if groups else None,
         )
         self.optimizer = ShardedAdamW(
-            self.zero.shards(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-            offload=cfg.offload == "cpu",
+            self.zero.trainable_shards(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+            weight_decay=cfg.weight_decay, offload=cfg.offload == "cpu",
         )  # fmt: skip
 
     def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -60,20 +96,27 @@ class ScratchEngine:
 
 
 def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
-    """Per rank per step, the all-gather and reduce-scatter wire bytes of the scratch engine (bytes).
+    """Per rank per step, the all-gather, reduce-scatter (and HSDP all-reduce) wire bytes of this engine.
 
     Every unit (each block and the root) is gathered before its forward and, when it was resharded
-    after forward, again before its backward: 2 x (n-1)/n x its padded bytes in the compute dtype; its
-    gradients are reduce-scattered once in float32: (n-1)/n x padded elements x 4 B.
+    after forward, again before its backward: 2 x (g-1)/g x its padded bytes in the compute dtype, over
+    the shard group of g ranks (g = world_size without HSDP); its trainable gradients are reduce-scattered
+    once in float32: (g-1)/g x padded elements x 4 B; under HSDP each unit's gradient shard (its padded
+    elements / g) is then all-reduced across the r = world_size / g replicas: 2(r-1)/r x shard x 4 B.
     """
-    n = world_size
+    g = shard_size(cfg, world_size)
+    replicas = world_size // g
     compute_bytes = DTYPES[cfg.dtype].itemsize
-    padded = sum(padded_numel(tuple(p.shape), n) for p in model.parameters())
     gathers = 2 if cfg.reshard_after_forward else 1
-    return {
-        "all_gather": gathers * collective_wire_bytes("all_gather", padded * compute_bytes, n),
-        "reduce_scatter": collective_wire_bytes("reduce_scatter", padded * 4, n),
-    }
+    out = {"all_gather": 0, "reduce_scatter": 0} | ({"all_reduce": 0} if replicas > 1 else {})
+    for _, _, params in model_units(model):
+        padded = sum(padded_numel(tuple(p.shape), g) for _, p in params)
+        trained = sum(padded_numel(tuple(p.shape), g) for _, p in params if p.requires_grad)
+        out["all_gather"] += gathers * collective_wire_bytes("all_gather", padded * compute_bytes, g)
+        out["reduce_scatter"] += collective_wire_bytes("reduce_scatter", trained * 4, g)
+        if replicas > 1:
+            out["all_reduce"] += collective_wire_bytes("all_reduce", trained // g * 4, replicas)
+    return out
 
 
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> ScratchEngine:
