@@ -6,7 +6,8 @@ no hidden bucket copy); and the all-reduce goes through the stock Python comm ho
 (`default_hooks.allreduce_hook`: divide by n, then `dist.all_reduce`), the same arithmetic as DDP's
 built-in C++ path, but visible to the probes, which wrap `torch.distributed`'s Python functions.
 Limit: DDP waits on that all-reduce inside C++, so its exposed time sits in the backward span and no
-"wait" event is recorded for it.
+"wait" event is recorded for it. `options["activation_checkpointing"]` wraps each block before DDP
+(`labkit.engines.activation_checkpointing`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from labkit.engines import activation_checkpointing
 from labkit.engines.base import RankInfo, RunConfig
 from labkit.engines.single import SingleEngine, state_tensors
 
@@ -39,4 +41,4 @@ class DdpEngine(SingleEngine):
 
 
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> DdpEngine:
-    return DdpEngine(model, cfg, rank_info)
+    return DdpEngine(activation_checkpointing.apply(model, cfg), cfg, rank_info)

@@ -23,6 +23,9 @@ Options, from `RunConfig` and `cfg.options` (keys below):
   and each all-gather copies the shard to the device first. On a CPU-only machine the policy runs its
   code path but moves nothing (host and device are the same memory), and it needs `pin_memory=False`
   there: the default `pin_memory=True` asks for an accelerator and fails.
+- `options["activation_checkpointing"]` (bool): each block wrapped in torch's non-reentrant
+  `checkpoint_wrapper` before `fully_shard` (`labkit.engines.activation_checkpointing`): backward
+  re-gathers the block (its pre-backward hook), then recomputes it; the bytes per step do not change.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from labkit import cluster
 from labkit.budget import collective_wire_bytes, padded_numel
+from labkit.engines import activation_checkpointing
 from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 
 NAME = "fsdp2"
@@ -219,6 +223,7 @@ def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> Fsdp2Engine:
     """
     n = rank_info.world_size
     mesh = device_mesh(rank_info.device.type, n, hsdp_shard_size(cfg, n))
+    activation_checkpointing.apply(model, cfg)  # before fully_shard: FSDP2's hooks go on the wrapper
     shard_model(model, cfg, mesh)
     assert_sharded(model, mesh)
     return Fsdp2Engine(model, adamw(model.parameters(), cfg), rank_info.device)

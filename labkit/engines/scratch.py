@@ -5,6 +5,9 @@ and compute, float32 gradient reduction, master shards and AdamW), `offload` ("c
 in separate host buffers, see `labkit.zero.optimizer`). From `cfg.options` (anything else is refused by
 `check_run`, never ignored): `hsdp_shard_size` (int, or "node"), HSDP over shard groups of that many
 consecutive ranks, replicated across the others (`labkit.zero.hsdp`); `labkit compare --hsdp` sets it.
+`activation_checkpointing` (bool): each block wrapped in torch's non-reentrant `checkpoint_wrapper`
+before `ZeRO3` shards it (`labkit.engines.activation_checkpointing`): `before_backward` re-gathers the
+block, then autograd recomputes it; the bytes per step do not change.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from torch import nn
 
 from labkit.budget import collective_wire_bytes, padded_numel
+from labkit.engines import activation_checkpointing
 from labkit.engines.base import RankInfo, RunConfig
 from labkit.model import loss_fn
 from labkit.zero import ShardedAdamW, ZeRO3
@@ -21,7 +25,7 @@ from labkit.zero.units import UnitSpec, model_units
 
 NAME = "scratch"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-OPTIONS = ("hsdp_shard_size",)  # the cfg.options keys it honours
+OPTIONS = ("hsdp_shard_size", "activation_checkpointing")  # the cfg.options keys it honours
 
 
 def check_run(cfg: RunConfig) -> None:
@@ -120,7 +124,7 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
 
 
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> ScratchEngine:
-    return ScratchEngine(model, cfg, rank_info)
+    return ScratchEngine(activation_checkpointing.apply(model, cfg), cfg, rank_info)
 
 
 def hook_trace(model_name: str = "tiny", steps: int = 2) -> list[tuple[int, str, str]]:

@@ -4,6 +4,7 @@ Every other engine must reproduce its losses (float32: to relative 1e-4). bfloat
 in bf16, the weights, gradients and AdamW state stay float32 (the master copy). Tolerances, tested on the
 tiny model over 10 steps: bf16 ddp vs bf16 single within relative 1e-3 (measured 4e-5), bf16 vs float32
 single within 1e-2 (measured 1.2e-4: the loss is a mean over 576 tokens, so rounding averages out).
+`options["activation_checkpointing"]`: each block recomputed in backward (`activation_checkpointing`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from labkit.engines import activation_checkpointing
 from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 
 NAME = "single"
@@ -50,4 +52,4 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
 
 
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> SingleEngine:
-    return SingleEngine(model, cfg, rank_info.device)
+    return SingleEngine(activation_checkpointing.apply(model, cfg), cfg, rank_info.device)
