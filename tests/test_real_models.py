@@ -117,7 +117,7 @@ class Gpt2Model(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.forwards_seen += 1
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         order = list(self.cfg.schedule or range(len(self.h)))
         if self.cfg.skip_last_on_odd and self.step % 2:
             order = order[:-1]
@@ -238,7 +238,9 @@ def train(engine, model: nn.Module, name: str, steps: range, shard: tuple[int, i
         if hasattr(model, "transformer"):
             model.transformer.step = step
         data = CASES[name]["batch"](step)
-        loss, _ = timed_step(engine, step, local_slice(data, *shard) if shard else data)
+        if shard:  # this rank's slice, on this rank's device (the scratch engine does not move its inputs)
+            data = tuple(t.to(rank_info().device) for t in local_slice(data, *shard))
+        loss, _ = timed_step(engine, step, data)
         if shard:
             dist.all_reduce(loss)
             loss /= shard[1]
@@ -264,7 +266,7 @@ def _sharded_run(name: str, options: dict | None = None) -> dict:
     return {
         "losses": losses,
         "adapter_grads": adapter_grads,
-        "buffers": {k: b.clone() for k, b in model.named_buffers()},
+        "buffers": {k: b.cpu().clone() for k, b in model.named_buffers()},
         # the same tensors, whole: ZeRO3 shards parameters only
         "buffers_untouched": [k for k, b in model.named_buffers() if b is buffers[k]] == list(buffers),
         "frozen_unchanged": all(torch.equal(a, b) for a, b in zip(frozen_before, frozen_after, strict=True)),
