@@ -2,13 +2,18 @@
 
 `launch(fn, world_size)` runs `fn` once per rank in processes started by
 `torch.distributed.elastic.multiprocessing.start_processes` (the machinery behind `torchrun`): gloo on CPU
-processes, NCCL when every rank has its own GPU. Under a real `torchrun`/`deepspeed` launcher it does not
-start anything: it runs `fn` on the rank it finds itself on and all-gathers the results.
+processes; when every rank has its own GPU, CUDA ranks on the device-mapped backend `"cpu:gloo,cuda:nccl"`
+(NCCL for CUDA tensors, gloo for the CPU ones a notebook or a check hands a collective). Under a real
+`torchrun`/`deepspeed` launcher it does not start anything: it runs `fn` on the rank it finds itself on and
+all-gathers the results.
 
-The rule for start methods: `fork` on CPU (fast, and a function defined in a notebook cell simply exists in
-the child, with its source for tracebacks); `spawn` once CUDA is in play (fork is unsafe after CUDA has
-started in the parent), with `fn` and its arguments sent by value with cloudpickle, so a function from
-`__main__` or a notebook cell works there too. Return values come back by value in both.
+The rule for start methods: `fork` on a machine without a GPU (fast, and a function defined in a notebook
+cell simply exists in the child, with its source for tracebacks); `spawn` wherever a GPU is visible, even
+for CPU ranks, because fork is unsafe once anything in the parent has initialised the CUDA driver (and
+`torch.cuda.is_available()`, DeepSpeed's import or `torch.utils.cpp_extension` all do). `fn` and its
+arguments are then sent by value with cloudpickle, so a function from `__main__` or a notebook cell works
+there too. Return values come back by value in both. GPUs are counted through NVML, which does not
+initialise CUDA (`visible_gpus`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ DEFAULT_TIMEOUT_S = 120.0
 RANK_BYTES_ESTIMATE = 500 * 2**20  # resident memory of one idle rank with torch imported (bytes)
 RANKS_PER_CORE = 4  # CPU ranks per core `max_ranks` allows: the lab's ranks mostly wait on each other
 _STATUS_BYTES = 256  # size of each rank's "last collective" slot (bytes)
+CPU_BACKEND = "gloo"
+GPU_BACKEND = "cpu:gloo,cuda:nccl"  # CUDA tensors over NCCL, CPU tensors over gloo, in one process group
 
 
 class LaunchError(RuntimeError):
@@ -77,17 +84,77 @@ def max_ranks(device_type: str | None = None) -> int:
     """
     device_type = device_type or _default_placement().device_type
     if device_type == "cuda":
-        return torch.cuda.device_count()
+        return visible_gpus() or 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(RANKS_PER_CORE * cores, _available_memory_bytes() // RANK_BYTES_ESTIMATE))
 
 
-def placement(world_size: int) -> Placement:
+def visible_gpus() -> int | None:
+    """CUDA devices this process may use (CUDA_VISIBLE_DEVICES honoured), counted without initialising CUDA.
+
+    Through NVML, as `torch.cuda.device_count()` does before CUDA starts (`torch.cuda._device_count_nvml`);
+    `torch.cuda.is_available()` would call `cudaGetDeviceCount`, which initialises the driver and makes a
+    later fork unsafe. 0: a CPU build of torch, or no NVIDIA driver (no NVML library); None: NVML could
+    not count them (e.g. MIG devices named in CUDA_VISIBLE_DEVICES).
+    """
+    if torch.version.cuda is None:
+        return 0
+    if torch.cuda.is_initialized():
+        return torch.cuda.device_count()
+    import ctypes
+
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")  # the library torch's NVML count loads
+    except OSError:
+        return 0
+    count = torch.cuda._device_count_nvml()
+    return count if count >= 0 else None
+
+
+def choose_placement(world_size: int, gpus: int | None, device_type: str | None = None) -> Placement:
+    """Where `world_size` ranks run on a machine with `gpus` visible GPUs (None: some, uncounted).
+
+    CUDA ranks on the device-mapped backend when every rank gets a GPU of its own (NCCL cannot put two
+    ranks on one GPU), else CPU ranks on gloo: a 1-GPU hub runs its 2 to 4 ranks on CPU. `spawn` whenever
+    a GPU may exist, `fork` only where none does. `device_type` ("cpu" or "cuda") asks for one kind, so that
+    every launch of one comparison (`single`'s one rank too) runs on the same kind of device.
+    """
+    if device_type not in (None, "cpu", "cuda"):
+        raise ValueError(f"device_type={device_type!r}: pass 'cpu', 'cuda' or None (this machine decides)")
+    enough = gpus is not None and gpus >= world_size
+    if device_type == "cuda" and not enough:
+        raise ValueError(
+            f"device_type='cuda' for {world_size} ranks but this machine shows {gpus or 0} GPUs; "
+            f"pass world_size<={gpus or 0} or device_type='cpu'"
+        )
+    if enough and device_type != "cpu":
+        return Placement(GPU_BACKEND, "cuda", "spawn")
+    return Placement(CPU_BACKEND, "cpu", "fork" if gpus == 0 else "spawn")
+
+
+def placement(world_size: int, device_type: str | None = None) -> Placement:
     """The backend, device and start method `launch` uses for `world_size` ranks on this machine."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return Placement("nccl", "cuda", "spawn")
-    start = "spawn" if torch.cuda.is_initialized() else "fork"
-    return Placement("gloo", "cpu", start)
+    return choose_placement(world_size, visible_gpus(), device_type)
+
+
+def backend_devices(backend: str) -> dict[str, str]:
+    """{device type: backend} of a process-group backend string.
+
+    "gloo" -> {"cpu": "gloo"}, "nccl" -> {"cuda": "nccl"}, "cpu:gloo,cuda:nccl" -> both. `dist.get_backend()`
+    returns the device-mapped form whole, so a test for `== "nccl"` never holds on GPU ranks.
+    """
+    if ":" not in backend:
+        return {"cuda" if backend == "nccl" else "cpu": backend}
+    return dict(pair.split(":", 1) for pair in backend.split(","))
+
+
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """This rank's device for its process group's `backend`: `cuda:<local_rank>` when CUDA tensors go over
+    NCCL, else the CPU. The index counts within CUDA_VISIBLE_DEVICES (as a hub sets it per kernel), so two
+    students' 2-rank launches on GPUs 0,1 and 2,3 each use their own two."""
+    if backend_devices(backend).get("cuda") == "nccl":
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
 
 
 def under_launcher() -> bool:
@@ -145,6 +212,7 @@ def launch(
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
     start_method: str | None = None,
+    device_type: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks and return their results in rank order.
@@ -153,7 +221,8 @@ def launch(
     RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT variables set, and its prints shown here
     prefixed `[rank k]`. A rank that raises makes this raise `LaunchError` with that rank's message and
     traceback; ranks still running after `timeout` seconds are killed and `LaunchTimeout` says what each
-    was doing. `timeout` and `start_method` are options of `launch`; every other keyword goes to `fn`.
+    was doing. `timeout`, `start_method` and `device_type` ("cpu" or "cuda": that kind of rank, see
+    `choose_placement`) are options of `launch`; every other keyword goes to `fn`.
     """
     if under_launcher():
         return _run_in_place(fn, world_size, args, kwargs)
@@ -161,7 +230,7 @@ def launch(
         raise RuntimeError("labkit.launch was called inside a rank; call it once, from the parent process")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: pass a whole number of ranks, 1 or more")
-    where = placement(world_size)
+    where = placement(world_size, device_type)
     limit = max_ranks(where.device_type)
     if world_size > limit:
         raise ValueError(
@@ -252,6 +321,13 @@ class _Run:
             # CPU ranks never touch a GPU, and DeepSpeed picks its CPU accelerator without a warning.
             env["CUDA_VISIBLE_DEVICES"] = ""
             env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
+        else:
+            # CUDA ranks keep the CUDA_VISIBLE_DEVICES they inherit (a hub's share of the node); DeepSpeed's
+            # CUDA ops live apart from its CPU ops of the same names (`prebuild.extensions_dir`).
+            from labkit import prebuild
+
+            env["DS_ACCELERATOR"] = "cuda"
+            env["TORCH_EXTENSIONS_DIR"] = prebuild.extensions_dir("cuda")
         return env
 
     def _wait(self, pc) -> list[Any]:
@@ -331,9 +407,13 @@ def _run_in_place(fn, world_size: int, args, kwargs) -> list[Any]:
     across two agents).
     """
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        # A rank of its own already (nothing is forked after this), so asking CUDA directly is safe here.
+        backend = GPU_BACKEND if torch.cuda.is_available() else CPU_BACKEND
+        if "cuda" in backend_devices(backend):
+            from labkit import prebuild
+
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            os.environ["TORCH_EXTENSIONS_DIR"] = prebuild.extensions_dir("cuda")
         dist.init_process_group(backend)
         import atexit
 
@@ -373,8 +453,8 @@ def _rank_main(payload: bytes | tuple, run_dir: str, backend: str) -> bytes:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        if "cuda" in backend_devices(backend):
+            torch.cuda.set_device(rank_device(backend, int(os.environ["LOCAL_RANK"])))
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
         fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         value = cloudpickle.dumps(fn(*args, **kwargs))

@@ -1,8 +1,9 @@
 """Is this machine ready for the lab? `diagnose()` answers with a dict; `labkit doctor` prints it.
 
-It reads versions, devices, the backend and rank limit `labkit.launch` will use, whether DeepSpeed's CPU
-ops are built (by looking at their build folders, never by building them) and whether the `labkit`
-Jupyter kernel is registered, then runs one all-reduce on 2 ranks and times it. Each thing that is missing
+It reads versions, devices, the backend and rank limit `labkit.launch` will use, the CUDA toolchain
+(CUDA_HOME, nvcc), whether DeepSpeed's ops are built (CPU ops, and on a GPU node the CUDA ops
+`prebuild.plan_ops` plans: by looking at their build folders, never by building them) and whether the
+`labkit` Jupyter kernel is registered, then runs one all-reduce on 2 ranks and times it. Each thing that is missing
 becomes one line of advice in `problems`. With `students=N` (`labkit doctor --class N`) it also says
 whether N students running the course notebooks at once fit on this node (`labkit.classroom`).
 """
@@ -27,14 +28,14 @@ SETUP_ADVICE = "run `make lab` (or `make test`) in the labkit checkout"
 def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
     """Check this machine and return a JSON-ready dict; `problems` lists one line of advice per gap.
 
-    Keys: versions, pinned, devices, backend, max_ranks, max_ranks_by_device, deepspeed_ops, ninja,
-    kernel, smoke_test, problems, ok, and `class` when `students` is given (`classroom.class_report`;
+    Keys: versions, pinned, devices, backend, max_ranks, max_ranks_by_device, toolchain, deepspeed_ops,
+    ninja, kernel, smoke_test, problems, ok, and `class` when `students` is given (`classroom.class_report`;
     each notebook that does not fit that class adds its line of advice to `problems`). `smoke=False` skips
     the 2-rank all-reduce (about 3 s on 2 cores).
     """
     import torch
 
-    from labkit import cluster
+    from labkit import cluster, prebuild
 
     problems: list[str] = []
     versions = _versions(torch.__version__)
@@ -52,12 +53,15 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
                "start_method": where.start_method}  # fmt: skip
     max_ranks = cluster.max_ranks()
     by_device = {"cpu": cluster.max_ranks("cpu")}
-    if torch.cuda.is_available():
+    if cluster.visible_gpus():
         by_device["cuda"] = cluster.max_ranks("cuda")
     if max(by_device.values()) < SMOKE_WORLD_SIZE:
         problems.append(f"this machine can run only {max(by_device.values())} rank; the lab needs at least 2")
 
-    ops = _ops(problems)
+    tc = prebuild.toolchain()
+    toolchain = {"cuda_home": tc.cuda_home, "nvcc": shutil.which("nvcc"), "nvcc_release": tc.nvcc_release,
+                 "torch_cuda": tc.torch_cuda, "visible_gpus": tc.gpus, "libaio": tc.libaio}  # fmt: skip
+    ops = _ops(problems, tc)
     ninja = shutil.which("ninja")
     if ninja is None:
         problems.append(
@@ -91,6 +95,7 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
         "backend": backend,
         "max_ranks": max_ranks,
         "max_ranks_by_device": by_device,
+        "toolchain": toolchain,
         "deepspeed_ops": ops,
         "ninja": ninja,
         "kernel": kernel,
@@ -139,7 +144,8 @@ def _release(version: str) -> str:
     return version.split("+", 1)[0]
 
 
-def _ops(problems: list[str]) -> dict[str, Any]:
+def _ops(problems: list[str], tc) -> dict[str, Any]:
+    """CPU ops by their build folders; `cuda_ops` (GPU nodes) by `plan_ops`: unbuildable, or their folders."""
     from labkit import prebuild
 
     ext_dir = prebuild.extensions_dir()
@@ -161,8 +167,24 @@ def _ops(problems: list[str]) -> dict[str, Any]:
                 f"DeepSpeed op {s.name} is being built now by process {s.lock_holders or '?'}: "
                 "wait for it to finish, then run `labkit doctor` again"
             )
-    ready = all(status in ("built", "skipped") for status in ops.values())
-    return {"extensions_dir": ext_dir, "ops": ops, "ready": ready}
+    cuda_dir = prebuild.extensions_dir("cuda")
+    cuda_ops = {}
+    for op in (op for op in prebuild.plan_ops(tc) if op.accelerator == "cuda"):
+        if op.action == "skip":
+            cuda_ops[op.name] = "unbuildable"
+            problems.append(op.refusal(tc.torch_cuda))
+        else:
+            cuda_ops[op.name] = prebuild.op_status(op.name, cuda_dir).status
+    not_built = [
+        name for name, status in cuda_ops.items() if status in ("missing", "out of date", "interrupted")
+    ]
+    if not_built:
+        problems.append(
+            f"DeepSpeed CUDA ops not built ({', '.join(not_built)}): run `python -m labkit.prebuild` here"
+        )
+    ready = all(status in ("built", "skipped") for status in [*ops.values(), *cuda_ops.values()])
+    out = {"extensions_dir": ext_dir, "ops": ops, "ready": ready}
+    return out | ({"cuda_extensions_dir": cuda_dir, "cuda_ops": cuda_ops} if cuda_ops else {})
 
 
 def _kernel() -> dict[str, Any]:
@@ -218,8 +240,10 @@ def _smoke_test(problems: list[str]) -> dict[str, Any]:
 
 
 def _devices(torch) -> dict[str, Any]:
+    from labkit import cluster
+
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if not torch.cuda.is_available():
+    if cluster.visible_gpus() == 0 or not torch.cuda.is_available():
         return {"summary": "cpu only", "cuda_count": 0, "cuda_names": [], "cpu_cores": cores}
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {"summary": f"{len(names)} cuda: {', '.join(names)}", "cuda_count": len(names), "cuda_names": names,
@@ -228,12 +252,13 @@ def _devices(torch) -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     """The human table of `labkit doctor`, then one line per problem."""
-    v, b, ops, k, s = (
+    v, b, ops, k, s, t = (
         report["versions"],
         report["backend"],
         report["deepspeed_ops"],
         report["kernel"],
         report["smoke_test"],
+        report["toolchain"],
     )
     rows = [(name, version or "not installed") for name, version in v.items()]
     rows += [
@@ -245,12 +270,19 @@ def format_report(report: dict[str, Any]) -> str:
         ("max ranks", f"{report['max_ranks']} " + str(report["max_ranks_by_device"])),
         ("deepspeed ops", ", ".join(f"{n} {st}" for n, st in ops["ops"].items())),
         ("extensions dir", ops["extensions_dir"]),
+        ("CUDA_HOME", t["cuda_home"] or "not found"),
+        (
+            "nvcc",
+            f"{t['nvcc'] or 'not on PATH'}" + (f" (CUDA {t['nvcc_release']})" if t["nvcc_release"] else ""),
+        ),
         ("ninja", report["ninja"] or "not on PATH"),
         (
             "jupyter kernel",
             f"{k['name']} -> {k['python']}" if k["registered"] else f"{k['name']} not registered",
         ),
     ]
+    if "cuda_ops" in ops:
+        rows.insert(-4, ("deepspeed cuda ops", ", ".join(f"{n} {st}" for n, st in ops["cuda_ops"].items())))
     if not s["ran"]:
         rows.append(("smoke test", "skipped"))
     elif s["ok"]:

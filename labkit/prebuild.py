@@ -1,17 +1,26 @@
-"""Build DeepSpeed's CPU ops once, at set-up, so that no notebook cell waits on a JIT compile.
+"""Build DeepSpeed's ops once, at set-up, so that no notebook cell waits on a JIT compile.
 
 A DeepSpeed run on CPU ranks compiles C++ ops the first time it needs them (through torch's
 `cpp_extension.load`, ninja and g++): the shared-memory collectives when its comm backend starts, FusedAdam
-for a plain ZeRO-3 optimizer, DeepSpeedCPUAdam for optimizer offload. `python -m labkit.prebuild` builds
-exactly those three, removes the `lock` file an interrupted build leaves behind (torch waits on it forever),
-and pins two things for every Python of the environment, with a one-line `.pth` file:
+for a plain ZeRO-3 optimizer, DeepSpeedCPUAdam for optimizer offload, async_io for NVMe offload. On a node
+with GPUs, CUDA ranks need the CUDA accelerator's own builds of async_io (NVMe offload) and of the quantizer
+(ZeRO++ qwZ / qgZ), compiled with nvcc. `python -m labkit.prebuild` builds what `plan_ops` says this node
+needs and can build (one sentence for each CUDA op it cannot: no nvcc, another CUDA major than torch's, no
+libaio), removes the `lock` file an interrupted build leaves behind (torch waits on it forever), and pins
+two things for every Python of the environment, with a one-line `.pth` file:
 - TORCH_EXTENSIONS_DIR defaults to `<sys.prefix>/torch_extensions`, so a build belongs to the torch it was
   compiled against and two checkouts never rebuild each other's ops (a value the user set wins);
 - the `ninja` torch calls is the environment's own (`<sys.prefix>/share/labkit/bin` goes first on PATH):
   two ninja versions read each other's build logs as dirty, so a kernel that found /usr/bin/ninja after a
   build by the venv's ninja (or the other way round) would recompile every op, minutes each.
 
-`op_status()` inspects without building; `labkit doctor` uses it.
+The CUDA ops build into `extensions_dir("cuda")`, a folder of their own: DeepSpeed names the CPU and the CUDA
+builds of async_io alike, and torch rebuilds an extension whose folder holds the other one's build (minutes
+inside a cell each time a node alternates between CPU and CUDA ranks). They are built the way DeepSpeed's
+JIT path builds them (`builder.load()`, what a rank would run), not by reinstalling DeepSpeed with
+`DS_BUILD_AIO=1 DS_BUILD_QUANTIZER=1`: the same libraries, without touching the pinned package.
+
+`op_status()` inspects without building; `labkit doctor` uses it with `toolchain()` and `plan_ops()`.
 """
 
 from __future__ import annotations
@@ -32,6 +41,12 @@ CPU_OPS = (
     ("CPUAdamBuilder", "cpu_adam"),  # DeepSpeedCPUAdam, with "offload_optimizer": {"device": "cpu"}
     ("AsyncIOBuilder", "async_io"),  # NVMe offload (ZeRO-Infinity); needs libaio (Debian's libaio-dev)
 )
+# (builder class of DeepSpeed's CUDA accelerator, extension name, what needs it on CUDA ranks): nvcc-built.
+CUDA_OPS = (
+    ("AsyncIOBuilder", "async_io", "NVMe offload"),  # a CUDAOpBuilder: needs CUDA_HOME as well as libaio
+    ("QuantizerBuilder", "quantizer", "ZeRO++ quantized weights and gradients (qwZ, qgZ)"),
+)
+CUDA_SUBDIR = "cuda-accelerator"  # under the extensions folder: the CUDA builds of ops named like CPU ones
 PTH_NAME = "labkit-torch-extensions.pth"
 NINJA_DIR = os.path.join("share", "labkit", "bin")  # under sys.prefix: holds only a link to ninja
 PTH_LINE = (
@@ -45,20 +60,131 @@ WAIT_FOR_BUILDER_S = 900.0  # how long to wait on a build another live process i
 
 @dataclass(frozen=True)
 class OpStatus:
-    """One op's state on disk: `status` is built | missing | out of date | building | interrupted | skipped."""
+    """One op's state on disk: `status` is built | missing | out of date | building | interrupted | skipped
+    (not needed here) | unbuildable (needed, but this node cannot compile it: `reason` says why)."""
 
     name: str
     status: str
     build_dir: str
     library: str
     lock_holders: list[int]
+    reason: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def extensions_dir() -> str:
-    """The folder torch builds extensions in, computed as torch does, without creating it."""
+@dataclass(frozen=True)
+class Toolchain:
+    """What decides which ops this node needs and can build (`toolchain()` reads it; tests make it up)."""
+
+    gpus: int | None  # CUDA devices visible here (`cluster.visible_gpus`); None: some, uncounted
+    torch_cuda: str | None  # the CUDA release torch was built for ("12.8"); None for a CPU build
+    cuda_home: str | None  # the toolkit torch's cpp_extension (and so DeepSpeed) compiles with
+    nvcc_release: str | None  # "12.8" from `$CUDA_HOME/bin/nvcc -V`; None when it does not run
+    libaio: bool  # libaio's header and library (async_io links it)
+    linux: bool
+
+
+@dataclass(frozen=True)
+class PlannedOp:
+    """One op `python -m labkit.prebuild` builds (`action` "build") or leaves ("skip", with `reason`)."""
+
+    accelerator: str  # "cpu" or "cuda": whose builder (DeepSpeed's accelerators build different sources)
+    builder: str
+    name: str
+    needed_for: str
+    action: str
+    reason: str = ""
+
+    def refusal(self, torch_cuda: str | None) -> str:
+        """One sentence for a CUDA op this node cannot build: what it costs and what to do."""
+        fix = (
+            "install libaio (`scripts/install-debian-packages binder/apt.txt`)"
+            if self.reason == "libaio is not installed"
+            else f"install the CUDA {torch_cuda} toolkit (nvcc) and set CUDA_HOME to it"
+        )
+        return (
+            f"DeepSpeed's CUDA op {self.name} cannot be built on this node ({self.reason}), so "
+            f"{self.needed_for} on GPU ranks is refused: {fix}, then run `python -m labkit.prebuild`"
+        )
+
+
+def plan_ops(tc: Toolchain) -> list[PlannedOp]:
+    """The ops this node needs, CPU ops first, each to build or to skip with the reason (pure: no I/O).
+
+    CPU ranks (every machine): `CPU_OPS`, the shared-memory collectives only on Linux (DeepSpeed falls
+    back to gloo elsewhere), async_io only with libaio. CUDA ranks (a CUDA build of torch and at least one
+    visible GPU): `CUDA_OPS`, which compile with nvcc, so they need the toolkit at CUDA_HOME and an nvcc of
+    torch's CUDA major version (DeepSpeed's `assert_no_cuda_mismatch` accepts other minors of one major).
+    """
+    plan = []
+    for builder, name in CPU_OPS:
+        reason = ""
+        if name == "deepspeed_shm_comm" and not tc.linux:
+            reason = "not Linux: DeepSpeed uses gloo"
+        elif name == "async_io" and not tc.libaio:
+            reason = "libaio is not installed"
+        plan.append(PlannedOp("cpu", builder, name, "CPU ranks", "skip" if reason else "build", reason))
+    if not tc.torch_cuda or not tc.gpus:
+        return plan
+    for builder, name, needed_for in CUDA_OPS:
+        reason = ""
+        if tc.cuda_home is None:
+            reason = "no CUDA toolkit: CUDA_HOME is not set and no nvcc is on PATH"
+        elif tc.nvcc_release is None:
+            reason = f"{tc.cuda_home}/bin/nvcc does not run"
+        elif tc.nvcc_release.split(".")[0] != tc.torch_cuda.split(".")[0]:
+            reason = f"nvcc is CUDA {tc.nvcc_release} but torch was built for CUDA {tc.torch_cuda}"
+        elif name == "async_io" and not tc.libaio:
+            reason = "libaio is not installed"
+        plan.append(PlannedOp("cuda", builder, name, needed_for, "skip" if reason else "build", reason))
+    return plan
+
+
+def toolchain() -> Toolchain:
+    """This node's `Toolchain`. Imports torch's cpp_extension (its CUDA_HOME is what DeepSpeed uses)."""
+    import torch
+    import torch.utils.cpp_extension as cpp
+
+    from labkit import cluster
+
+    return Toolchain(
+        gpus=cluster.visible_gpus(),
+        torch_cuda=torch.version.cuda,
+        cuda_home=cpp.CUDA_HOME,
+        nvcc_release=nvcc_release(cpp.CUDA_HOME),
+        libaio=libaio_available(),
+        linux=sys.platform.startswith("linux"),
+    )
+
+
+def nvcc_release(cuda_home: str | None) -> str | None:
+    """The "X.Y" release `$cuda_home/bin/nvcc -V` reports, read as DeepSpeed's `installed_cuda_version` does."""
+    if cuda_home is None:
+        return None
+    try:
+        out = subprocess.run(
+            [os.path.join(cuda_home, "bin", "nvcc"), "-V"], capture_output=True, text=True, timeout=30
+        ).stdout.split()
+        return ".".join(out[out.index("release") + 1].rstrip(",").split(".")[:2])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def extensions_dir(accelerator: str = "cpu") -> str:
+    """The folder torch builds extensions in, computed as torch does, without creating it.
+
+    `accelerator="cuda"`: the folder of DeepSpeed's CUDA builds, `CUDA_SUBDIR` inside it (already that
+    folder in a CUDA rank, whose TORCH_EXTENSIONS_DIR `labkit.launch` points there).
+    """
+    base = _torch_extensions_dir()
+    if accelerator == "cpu" or os.path.basename(base) == CUDA_SUBDIR:
+        return base
+    return os.path.join(base, CUDA_SUBDIR)
+
+
+def _torch_extensions_dir() -> str:
     pinned = os.environ.get("TORCH_EXTENSIONS_DIR")
     if pinned:
         return pinned
@@ -197,19 +323,26 @@ def _wait_for_builder(name: str, ext_dir: str, limit_s: float) -> OpStatus:
     return status
 
 
-def build_all(verbose: bool = False) -> list[dict]:
-    """Build (or confirm) every op of CPU_OPS with DeepSpeed's CPU accelerator; one dict per op.
+def build_all(verbose: bool = False, accelerator_name: str = "cpu") -> list[dict]:
+    """Build (or confirm) the ops `plan_ops` plans for `accelerator_name` with that DeepSpeed accelerator.
 
-    Each dict: `name`, `before` (its status on entry), `seconds` (time to build or load it, s). Raises
-    RuntimeError naming the op when a build fails.
+    One accelerator per process (DeepSpeed picks it once, and caches loaded ops by name): `main` builds the
+    CUDA ops in a child process. Each dict: `name`, `before` (its status on entry), `seconds` (time to
+    build or load it, s). Raises RuntimeError naming the op when a build fails.
     """
-    os.environ["DS_ACCELERATOR"] = "cpu"  # these are the CPU accelerator's builders, whatever GPUs exist
-    ext_dir = extensions_dir()
+    os.environ["DS_ACCELERATOR"] = accelerator_name  # that accelerator's builders, whatever GPUs exist
+    ext_dir = extensions_dir(accelerator_name)
+    os.environ["TORCH_EXTENSIONS_DIR"] = ext_dir  # where torch's load() builds them
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
+    planned = [op for op in plan_ops(toolchain()) if op.accelerator == accelerator_name]
     report = []
-    for class_name, name in CPU_OPS:
+    for op in planned:
+        class_name, name = op.builder, op.name
+        if op.action == "skip" and accelerator_name == "cuda":
+            report.append({"name": name, "before": "unbuildable", "seconds": 0.0})
+            continue
         status = _wait_for_builder(name, ext_dir, WAIT_FOR_BUILDER_S)
         if status.status == "skipped":
             report.append({"name": name, "before": "skipped", "seconds": 0.0})
@@ -236,12 +369,17 @@ def build_all(verbose: bool = False) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m labkit.prebuild [--no-pin] [--verbose]`; returns the exit status."""
+    """`python -m labkit.prebuild [--no-pin] [--verbose]`; returns the exit status.
+
+    A CUDA op this node cannot build is one sentence on stderr and not a failure: the rest of the lab runs,
+    and a run that needs the op is refused then (`labkit doctor` lists it too).
+    """
     parser = argparse.ArgumentParser(prog="python -m labkit.prebuild", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--no-pin", action="store_true", help="leave TORCH_EXTENSIONS_DIR and PATH as they are"
     )
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), help=argparse.SUPPRESS)  # main's child
     args = parser.parse_args(argv)
     if not args.no_pin:
         pth = pin_environment()
@@ -250,14 +388,31 @@ def main(argv: list[str] | None = None) -> int:
                 f"TORCH_EXTENSIONS_DIR defaults to {os.environ['TORCH_EXTENSIONS_DIR']} and ninja is "
                 f"{shutil.which('ninja')} (set in {pth})"
             )
+    if args.accelerator == "cuda":
+        return _build_or_say("cuda", args.verbose)
     print(f"building DeepSpeed CPU ops in {extensions_dir()}")
+    status = _build_or_say("cpu", args.verbose)
+    tc = toolchain()
+    cuda_ops = [op for op in plan_ops(tc) if op.accelerator == "cuda"]
+    for op in cuda_ops:
+        if op.action == "skip":
+            print(f"labkit.prebuild: {op.refusal(tc.torch_cuda)}", file=sys.stderr)
+    if status == 0 and any(op.action == "build" for op in cuda_ops):
+        where = f"{extensions_dir('cuda')} (CUDA {tc.nvcc_release} at {tc.cuda_home})"
+        print(f"building DeepSpeed CUDA ops in {where}")
+        cmd = [sys.executable, "-m", "labkit.prebuild", "--no-pin", "--accelerator", "cuda"]
+        status = subprocess.run(cmd + (["--verbose"] if args.verbose else [])).returncode
+    return status
+
+
+def _build_or_say(accelerator_name: str, verbose: bool) -> int:
     start = time.perf_counter()
     try:
-        build_all(args.verbose)
+        build_all(verbose, accelerator_name)
     except RuntimeError as e:
         print(f"labkit.prebuild: {e}", file=sys.stderr)
         return 1
-    print(f"DeepSpeed CPU ops ready ({time.perf_counter() - start:.1f} s)")
+    print(f"DeepSpeed {accelerator_name.upper()} ops ready ({time.perf_counter() - start:.1f} s)")
     return 0
 
 

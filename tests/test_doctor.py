@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,8 @@ import torch
 from labkit import cluster, doctor, prebuild
 from labkit.cli import main
 
-KEYS = {"versions", "pinned", "devices", "backend", "max_ranks", "max_ranks_by_device", "deepspeed_ops", "ninja",
-        "kernel", "smoke_test", "problems", "ok"}  # fmt: skip
+KEYS = {"versions", "pinned", "devices", "backend", "max_ranks", "max_ranks_by_device", "toolchain",
+        "deepspeed_ops", "ninja", "kernel", "smoke_test", "problems", "ok"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +135,99 @@ def test_registered_kernel_runs_this_python():
     if not kernel["registered"]:
         pytest.skip("the labkit kernel is not registered here (run `make test`)")
     assert kernel["python"] == "python" or os.path.samefile(kernel["python"], sys.executable)
+
+
+# ----------------------------------------------------------------------- DeepSpeed's ops for this node
+
+
+def _node(**changes) -> prebuild.Toolchain:
+    """A made-up GPU node with everything the CUDA ops need; `changes` take pieces away."""
+    base = {"gpus": 1, "torch_cuda": "12.8", "cuda_home": "/usr/local/cuda", "nvcc_release": "12.8",
+            "libaio": True, "linux": True}  # fmt: skip
+    return prebuild.Toolchain(**{**base, **changes})
+
+
+def _actions(tc: prebuild.Toolchain) -> dict[tuple[str, str], str]:
+    return {(op.accelerator, op.name): op.action for op in prebuild.plan_ops(tc)}
+
+
+CPU_PLAN = {("cpu", name): "build" for _, name in prebuild.CPU_OPS}
+
+
+def test_a_cpu_machine_builds_the_cpu_ops_only():
+    assert _actions(_node(gpus=0, torch_cuda=None, cuda_home=None, nvcc_release=None)) == CPU_PLAN
+    assert _actions(_node(gpus=0)) == CPU_PLAN  # a CUDA wheel without a GPU: nothing runs on CUDA ranks
+    no_aio = _actions(_node(gpus=0, libaio=False, linux=False))
+    assert no_aio[("cpu", "async_io")] == no_aio[("cpu", "deepspeed_shm_comm")] == "skip"
+
+
+def test_a_gpu_node_with_a_matching_nvcc_builds_the_cuda_ops_too():
+    plan = _actions(_node())
+    assert plan == {**CPU_PLAN, ("cuda", "async_io"): "build", ("cuda", "quantizer"): "build"}
+    assert _actions(_node(nvcc_release="12.4"))[("cuda", "quantizer")] == "build"  # another minor: accepted
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        (
+            {"cuda_home": None, "nvcc_release": None},
+            "no CUDA toolkit: CUDA_HOME is not set and no nvcc is on PATH",
+        ),
+        ({"nvcc_release": None}, "/usr/local/cuda/bin/nvcc does not run"),
+        ({"nvcc_release": "11.8"}, "nvcc is CUDA 11.8 but torch was built for CUDA 12.8"),
+    ],
+)
+def test_a_cuda_op_that_cannot_be_built_is_refused_in_one_sentence(changes, reason):
+    ops = {op.name: op for op in prebuild.plan_ops(_node(**changes)) if op.accelerator == "cuda"}
+    assert {op.action for op in ops.values()} == {"skip"} and ops["quantizer"].reason == reason
+    sentence = ops["async_io"].refusal("12.8")
+    assert sentence == (
+        f"DeepSpeed's CUDA op async_io cannot be built on this node ({reason}), so NVMe offload on GPU ranks "
+        "is refused: install the CUDA 12.8 toolkit (nvcc) and set CUDA_HOME to it, then run "
+        "`python -m labkit.prebuild`"
+    )
+    assert sentence.count(". ") == 0 and "\n" not in sentence
+
+
+def test_without_libaio_only_async_io_is_refused_and_the_advice_is_libaio():
+    ops = {op.name: op for op in prebuild.plan_ops(_node(libaio=False)) if op.accelerator == "cuda"}
+    assert ops["quantizer"].action == "build" and ops["async_io"].action == "skip"
+    assert "install libaio" in ops["async_io"].refusal("12.8")
+
+
+def test_cuda_ops_have_a_folder_of_their_own(monkeypatch, tmp_path: Path):
+    """DeepSpeed names the CPU and CUDA builds of async_io alike: one folder would rebuild each over the other."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert prebuild.extensions_dir() == str(tmp_path)
+    assert prebuild.extensions_dir("cuda") == str(tmp_path / prebuild.CUDA_SUBDIR)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", prebuild.extensions_dir("cuda"))  # inside a CUDA rank
+    assert prebuild.extensions_dir("cuda") == str(tmp_path / prebuild.CUDA_SUBDIR)
+
+
+def test_the_doctor_reports_the_toolchain_and_each_cuda_ops_status(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / prebuild.CUDA_SUBDIR / "quantizer").mkdir(parents=True)
+    (tmp_path / prebuild.CUDA_SUBDIR / "quantizer" / "quantizer.so").write_bytes(b"")
+    monkeypatch.setattr(prebuild, "toolchain", lambda: _node(libaio=False))
+    report = doctor.diagnose(smoke=False)
+    assert report["toolchain"] == {"cuda_home": "/usr/local/cuda", "nvcc": shutil.which("nvcc"),
+                                   "nvcc_release": "12.8", "torch_cuda": "12.8", "visible_gpus": 1,
+                                   "libaio": False}  # fmt: skip
+    ops = report["deepspeed_ops"]
+    assert ops["cuda_ops"] == {"async_io": "unbuildable", "quantizer": "built"}
+    assert ops["cuda_extensions_dir"] == str(tmp_path / prebuild.CUDA_SUBDIR) and not ops["ready"]
+    [line] = [p for p in report["problems"] if "CUDA op" in p]
+    assert line.startswith(
+        "DeepSpeed's CUDA op async_io cannot be built on this node (libaio is not installed)"
+    )
+    table = doctor.format_report(report)
+    assert "deepspeed cuda ops  async_io unbuildable, quantizer built" in table
+    assert "CUDA_HOME           /usr/local/cuda" in table
+
+
+def test_on_this_machine_the_doctor_plans_what_it_reports(cli_json):
+    _, report = cli_json
+    tc = report["toolchain"]
+    assert tc["torch_cuda"] == torch.version.cuda and tc["visible_gpus"] == cluster.visible_gpus()
+    assert ("cuda_ops" in report["deepspeed_ops"]) == bool(tc["torch_cuda"] and tc["visible_gpus"])

@@ -122,10 +122,14 @@ def validate(engines: Sequence[str], cfg: RunConfig) -> None:
 
 
 def rank_info() -> RankInfo:
-    """This rank's place and device, from the initialised default group."""
-    backend = dist.get_backend()
+    """This rank's place and device, from the initialised default group.
+
+    `backend` is the group's whole backend string ("gloo", or "cpu:gloo,cuda:nccl" on GPU ranks: CUDA
+    tensors over NCCL, CPU ones over gloo); `device` is `cluster.rank_device`'s reading of it.
+    """
+    backend = str(dist.get_backend())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    device = cluster.rank_device(backend, local_rank)
     return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
