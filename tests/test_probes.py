@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -242,3 +243,101 @@ def test_cpu_peak_memory_sees_backward():
     linear(torch.randn(10, 1000)).sum().backward()
     grads_bytes = sum(p.numel() * F32 for p in linear.parameters())
     assert grads_bytes <= memory.stop() - memory.start_bytes < grads_bytes + 200_000
+
+
+# ------------------------------------------------------------------------------ the CUDA path, on CPU
+
+
+def test_on_cpu_the_span_edge_sync_does_nothing_and_on_cuda_it_waits_for_the_stream():
+    from labkit.probes.timeline import _no_sync, device_sync
+
+    probes = Probes(0, torch.device("cpu"))
+    assert probes.timeline.sync is _no_sync and not probes.timeline.syncs and _no_sync() is None
+    assert device_sync(torch.device("cpu")) is _no_sync
+    assert device_sync(torch.device("cuda", 0)) is not _no_sync  # built without touching CUDA
+
+
+class _Counted:
+    """A span-edge hook that counts its calls and records the clock when it ran (the timestamps follow it)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self) -> None:
+        self.times.append(time.perf_counter())
+
+
+def test_every_span_edge_runs_the_sync_hook_before_its_timestamp():
+    from labkit.model import build_model, loss_fn
+    from labkit.probes.timeline import Timeline
+
+    hook = _Counted()
+    timeline = Timeline(0, sync=hook)
+    with timeline.span("compute", "forward"):
+        pass
+    assert len(hook.times) == 2
+    model = build_model("tiny")
+    timeline.watch_blocks(model)
+    tokens, targets = (torch.randint(0, 8, (2, 4)), torch.randint(0, 8, (2, 4)))
+    loss_fn(model(tokens), targets).backward()
+    blocks = len(model.blocks)
+    assert len(hook.times) == 2 + 4 * blocks  # each block: forward start and end, backward start and end
+    spans = [e for e in timeline.events if e["name"].startswith("blocks.")]
+    assert len(spans) == 2 * blocks
+    edges = sorted(hook.times)
+    for e in spans:  # each edge's time was taken right after a sync ran
+        for t in (e["start_s"], e["end_s"]):
+            before = max(s for s in edges if s <= t + timeline.t0_s)
+            assert 0 <= t + timeline.t0_s - before < 0.05
+
+
+def _comm_edges() -> dict:
+    """Real gloo collectives under a probe whose timeline counts its sync calls."""
+    probes = Probes(dist.get_rank(), torch.device("cpu"))
+    hook = _Counted()
+    probes.timeline.sync = hook
+    with probes:
+        dist.all_reduce(torch.ones(5))  # synchronous: issue and return
+        sync_calls = len(hook.times)
+        work = dist.all_reduce(torch.ones(5), async_op=True)  # async: issue, then the wait's two edges
+        work.wait()
+    return {"sync": sync_calls, "total": len(hook.times),
+            "kinds": sorted({(e["kind"], e["name"]) for e in probes.timeline.events})}  # fmt: skip
+
+
+def test_the_comm_probe_syncs_at_issue_return_and_both_ends_of_a_wait():
+    for r in labkit.launch(_comm_edges, 2):
+        assert r["sync"] == 2 and r["total"] == 2 + 3
+        assert r["kinds"] == [("comm", "all_reduce"), ("wait", "all_reduce")]
+
+
+def test_state_bytes_by_device_counts_every_key_under_its_category_once():
+    from labkit.probes import state_bytes_by_device
+
+    flat = torch.zeros(100)
+    host = torch.zeros(30)
+    state = {"params": [flat[:40]], "grads": [flat[40:]], "optimizer": [], "host_optimizer": [host, host[:5]],
+             "unknown": [torch.zeros(7)]}  # fmt: skip
+    assert state_bytes_by_device(state) == {"cpu": {"params": 100 * F32, "grads": 0, "optimizer": 30 * F32}}
+    assert state_bytes(state) == {"params": 100 * F32, "grads": 0, "optimizer": 0}  # the device's keys only
+
+
+def test_offload_on_cpu_ranks_shows_the_optimizer_in_host_buffers_and_records_a_baseline():
+    """The scratch engine's offload keeps the optimizer in host buffers ("host_optimizer"): `state_bytes`,
+    the contract's keys, has 0 B of optimizer on the device; the split by device finds them on "cpu"
+    (on a GPU rank the same split shows them leaving cuda:k). Without offload both hold m and v."""
+    from labkit.engines import loop
+    from labkit.engines.base import RunConfig
+
+    cfg = RunConfig(model="tiny", world_size=2, steps=1)
+    plain, offloaded = loop.run_many([("scratch", cfg), ("scratch", replace(cfg, offload="cpu"))])
+    shard_bytes = plain["state_bytes"]["params"]  # fp32 master shards of this rank (bytes)
+    assert plain["state_bytes_by_device"] == {"cpu": plain["state_bytes"]}
+    assert plain["state_bytes"]["optimizer"] == 2 * shard_bytes  # m and v
+    assert offloaded["state_bytes"]["optimizer"] == 0
+    host = offloaded["state_bytes_by_device"]["cpu"]
+    assert host["optimizer"] == 4 * shard_bytes  # m, v, the host master copy, the gradient landing buffer
+    assert host["params"] == offloaded["state_bytes"]["params"] == shard_bytes
+    for rec in (plain, offloaded):
+        assert len(rec["mem_baseline_bytes"]) == 2
+        assert all(0 < b <= p for b, p in zip(rec["mem_baseline_bytes"], rec["peak_mem_bytes"], strict=True))

@@ -41,7 +41,7 @@ import labkit
 from labkit import cluster
 from labkit.engines.base import ENGINES, Engine, RankInfo, RunConfig
 from labkit.model import batch, build_model, config, count_params
-from labkit.probes import Probes, state_bytes
+from labkit.probes import Probes, state_bytes, state_bytes_by_device
 
 SINGLE_RANK_ENGINES = ("single",)  # run on one rank with the global batch
 TIMELINE_STEPS = 2  # the last steps whose events `run` keeps
@@ -171,6 +171,7 @@ def train_rank(engine: str | EngineBuilder, cfg: RunConfig) -> dict[str, Any]:
             losses.append(loss.item())
             step_times_s.append(seconds)
         state = state_bytes(eng.state_tensors())
+        state_by_device = state_bytes_by_device(eng.state_tensors())
         swapped = eng.swap_file_bytes() if hasattr(eng, "swap_file_bytes") else {}  # deepspeed's NVMe files
         probes.memory.start(t for ts in eng.state_tensors().values() for t in ts)
         timed_step(eng, cfg.steps, batch_on(cfg.steps), probes)
@@ -181,8 +182,10 @@ def train_rank(engine: str | EngineBuilder, cfg: RunConfig) -> dict[str, Any]:
         "losses": losses,
         "step_time_s": step_times_s,
         "state_bytes": state,
+        "state_bytes_by_device": state_by_device,
         "swap_file_bytes": swapped,
         "peak_mem_bytes": peak_mem_bytes,
+        "mem_baseline_bytes": probes.memory.start_bytes,
         "comm": [probes.comm.summary(step) for step in range(cfg.steps)],
         "comm_by_link": probes.comm.link_summary(last),
         "nodes": nodes,
@@ -247,8 +250,10 @@ def run(engine: str | EngineBuilder, cfg: RunConfig, timeout_s: float = DEFAULT_
     """Train `engine` under `cfg` and return its record of the `labkit compare` contract.
 
     losses: the global mean loss per step (mean of the ranks' local means: the slices are equal);
-    step_time_s: the slowest rank's per step; state_bytes: rank 0's, after the last step;
-    peak_mem_bytes: per rank, over one step after the timed ones; comm: rank 0's collectives of the last step
+    step_time_s: the slowest rank's per step; state_bytes: rank 0's, after the last step (what it keeps
+    on its device); state_bytes_by_device: rank 0's, every state tensor (host buffers too) by the device
+    it lives on; peak_mem_bytes: per rank, over one step after the timed ones, and mem_baseline_bytes
+    what was live when that step began (`labkit.probes.memory`); comm: rank 0's collectives of the last step
     (steady state: the first step may differ, e.g. DeepSpeed tracing its fetch order);
     collective_calls: rank 0's calls of the last step, one by one, with their group;
     comm_by_link: the last step's wire bytes of EVERY rank, summed, per collective, split into
@@ -309,8 +314,10 @@ def merge_ranks(ranks: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
         "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(steps)],
         "step_time_s": [max(r["step_time_s"][i] for r in ranks) for i in range(steps)],
         "state_bytes": ranks[0]["state_bytes"],
+        "state_bytes_by_device": ranks[0]["state_bytes_by_device"],
         "swap_file_bytes": ranks[0]["swap_file_bytes"],
         "peak_mem_bytes": [r["peak_mem_bytes"] for r in ranks],
+        "mem_baseline_bytes": [r["mem_baseline_bytes"] for r in ranks],
         "comm": ranks[0]["comm"][-1],
         "collective_calls": ranks[0]["collective_calls"],
         "comm_by_link": sum_link_bytes(r["comm_by_link"] for r in ranks),

@@ -21,11 +21,11 @@ from contextlib import contextmanager
 import torch
 
 from labkit.probes.comm import CollectiveCall, CommProbe, EmulatedLink
-from labkit.probes.memory import PeakMemory, state_bytes
-from labkit.probes.timeline import Timeline, comm_s, exposed_comm_s
+from labkit.probes.memory import PeakMemory, state_bytes, state_bytes_by_device
+from labkit.probes.timeline import Timeline, comm_s, device_sync, exposed_comm_s
 
 __all__ = ["Probes", "CommProbe", "CollectiveCall", "EmulatedLink", "PeakMemory", "Timeline", "comm_s",
-           "exposed_comm_s", "state_bytes"]  # fmt: skip
+           "exposed_comm_s", "state_bytes", "state_bytes_by_device"]  # fmt: skip
 
 
 class Probes:
@@ -38,7 +38,7 @@ class Probes:
         link_gbytes: float | None = None,
         nodes: Sequence[int] | None = None,
     ):
-        self.timeline = Timeline(rank)
+        self.timeline = Timeline(rank, sync=device_sync(device))
         self.comm = CommProbe(self.timeline, link_gbytes, nodes)  # nodes[r]: rank r's node
         self.memory = PeakMemory(device)
 

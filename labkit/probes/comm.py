@@ -31,8 +31,12 @@ the probe once at start; without it every rank is on one node.
 Not seen: collectives issued from C++ without the Python functions (DDP's built-in all-reduce, which the
 ddp engine replaces with the equivalent Python comm hook; `torch.distributed._functional_collectives`,
 used by DTensor redistribution and tensor parallelism), object collectives (their inner tensor collectives
-are counted), point-to-point send/recv, and rooted reduce/gather/scatter. On GPU the times are host-side:
-a NCCL call returns once it is enqueued on its stream.
+are counted), point-to-point send/recv, and rooted reduce/gather/scatter. On GPU a NCCL call returns once
+it is enqueued on its stream, so the edges are taken with the timeline's `now` (the current stream
+synchronised first, `labkit.probes.timeline`): a synchronous call's events end when the stream that waits
+on it is done, an async call's wait when its `wait()` has made the stream catch up. An async call's "comm"
+event then ends at its first wait, the earliest the host learns it is done (NCCL completes its future at
+enqueue, so the future's callback would say nothing).
 
 The emulated link (`link_gbytes=X`, GB/s, 1 GB = 1e9 B) makes each collective last at least
 wire_bytes / X on a per-rank FIFO link: issued at t, it starts at max(t, link busy until) and completes
@@ -179,14 +183,14 @@ class CommProbe:
                 return original(*args, **kwargs)
             self.calls.append(call)
             queued = call.async_op and _coalescing(arguments.get("group"))
-            issue_s = time.perf_counter()
+            issue_s = self.timeline.now()
             out = original(*args, **kwargs)
             if queued:  # inside a coalescing manager the op runs at the manager's exit: bytes only
                 return out
             if call.async_op and out is not None:
                 link_done_s = self.link.schedule(issue_s, call.wire_bytes) if self.link else None
                 return _ProbedWork(out, self.timeline, kind, issue_s, link_done_s)
-            returned_s = time.perf_counter()
+            returned_s = self.timeline.now()
             if self.link:
                 done_s = self.link.schedule(issue_s, call.wire_bytes)
                 _sleep_until(done_s)
@@ -251,7 +255,7 @@ class _ProbedWork(distributed_c10d.Work):
         except RuntimeError:  # a backend whose Work has no future: completion is seen at wait()
             future = None
         self._future = future
-        if future is not None:
+        if future is not None and not timeline.syncs:  # a CUDA future completes at enqueue: see wait()
             future.add_done_callback(lambda _: self._record_comm(time.perf_counter()))
 
     def __getattribute__(self, name: str):
@@ -269,11 +273,11 @@ class _ProbedWork(distributed_c10d.Work):
         self._timeline.add_abs("comm", self._kind, self._issue_s, end_s)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        start_s = time.perf_counter()
+        start_s = self._timeline.now()
         ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
         if self._link_done_s is not None:
             _sleep_until(self._link_done_s)
-        end_s = time.perf_counter()
+        end_s = self._timeline.now()
         self._record_comm(end_s)
         self._timeline.add_abs("wait", self._kind, start_s, end_s)
         return ok

@@ -3,11 +3,15 @@
 `state_bytes(engine.state_tensors())` sums the storages behind an engine's params, grads and optimizer
 state (local shards only: a DTensor or other wrapper subclass counts its inner tensors). Views that share a
 storage are counted once, and a storage counts whole: a shard padded to ceil(rows/n) rows, or a flat
-buffer that several parameters view, costs what it really holds.
+buffer that several parameters view, costs what it really holds. `state_bytes_by_device` splits the same
+bytes by the device each storage lives on, so an engine that offloads on a GPU shows what went to "cpu".
 
-`PeakMemory` measures the peak of live tensor bytes over the measured steps:
-- GPU: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats` (the caching allocator's own
-  count, device memory only: host-offloaded state is not in it).
+`PeakMemory` measures the peak of live tensor bytes over the measured steps, and `start_bytes`, the
+baseline live when it started:
+- GPU: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, reset once the garbage of what
+  ran before (an earlier engine of `run_many`, held in reference cycles) is collected and the device has
+  finished its queued work; the baseline is `memory_allocated` then. The caching allocator's own count:
+  device memory only, host-offloaded state is not in it.
 - CPU: live storages are tracked exactly. At `start`, the storages of every tensor Python can reach (after
   a `gc.collect()`) plus the engine's state tensors (grads live in C++ until first touched) are live. Then
   a `TorchDispatchMode` sees every op's outputs and adds each new storage (and any change of size of a
@@ -44,11 +48,18 @@ def storages(tensors: Iterable) -> Iterator[torch.UntypedStorage]:
             yield t.untyped_storage()
 
 
+CATEGORIES = ("params", "grads", "optimizer")
+
+
 def state_bytes(state: dict[str, list[torch.Tensor]]) -> dict[str, int]:
-    """Bytes per category ("params", "grads", "optimizer"), each storage counted once (first category)."""
+    """Bytes per category ("params", "grads", "optimizer"), each storage counted once (first category).
+
+    Only those three keys: an engine lists buffers it keeps in host memory apart (the scratch engine's
+    offloaded optimizer is "host_optimizer"), so these are the bytes it keeps on its device.
+    """
     seen: dict[int, torch.UntypedStorage] = {}  # holds the storages, so their ids stay unique
     out = {}
-    for key in ("params", "grads", "optimizer"):
+    for key in CATEGORIES:
         total = 0
         for st in storages(state.get(key, [])):
             if id(st) not in seen:
@@ -58,19 +69,44 @@ def state_bytes(state: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     return out
 
 
+def state_bytes_by_device(state: dict[str, list[torch.Tensor]]) -> dict[str, dict[str, int]]:
+    """{device ("cpu", "cuda:0"): {category: bytes}} over every key of `state`, each storage counted once.
+
+    A key counts under the category it ends with ("host_optimizer" is optimizer state), and on the
+    device its storage is on: the scratch engine's host buffers, FSDP2's CPUOffloadPolicy shards and
+    DeepSpeed's offloaded fp32 partition all show under "cpu" on a GPU rank. Keys in CATEGORIES go first,
+    so a storage shared with them is not counted twice.
+    """
+    seen: dict[int, torch.UntypedStorage] = {}
+    out: dict[str, dict[str, int]] = {}
+    keys = [*CATEGORIES, *(k for k in state if k not in CATEGORIES)]
+    for key in keys:
+        category = next((c for c in CATEGORIES if key.endswith(c)), None)
+        if category is None:
+            continue
+        for st in storages(state.get(key, [])):
+            if id(st) not in seen:
+                seen[id(st)] = st
+                row = out.setdefault(str(st.device), dict.fromkeys(CATEGORIES, 0))
+                row[category] += st.nbytes()
+    return out
+
+
 class PeakMemory:
     """Peak live tensor bytes of this rank between `start()` and `stop()` (see the module docstring)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.start_bytes = 0  # live at `start` (CPU only; bytes)
+        self.start_bytes = 0  # live at `start`: the baseline the peak includes (bytes)
         self.peak_bytes = 0
         self._tracker: _LiveStorages | None = None
 
     def start(self, state_tensors: Iterable[torch.Tensor] = ()) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            gc.collect()  # what earlier runs left in reference cycles is still allocated until collected
+            torch.cuda.synchronize(self.device)  # frees queued behind kernels happen before the reset
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
             return
         self._tracker = _LiveStorages()
         gc.collect()

@@ -12,6 +12,14 @@ the barrier's exit skew). Kinds and names:
 Exposed communication is the total "wait" time (`exposed_comm_s`). `compute_segments` turns a rank's
 events into what it was busy with, unit by unit: the spans minus the waits, and the root's own compute
 (embeddings, head, loss: what is left of a phase outside the blocks) as "root.forward" / "root.backward".
+
+On CUDA the host runs ahead of the device: a kernel or an NCCL collective returns once queued, so host
+timestamps alone would make compute spans measure launches and waits about 0. Every edge a timeline
+records (`Timeline.now`: spans, block hooks, and the comm probe's issue, return and wait) first runs
+`sync`, which on a CUDA rank waits for the current stream (`device_sync`): a span then ends when its
+kernels are done, and a wait when the collective the stream waits on is. Only the current stream, not the
+device: an all-gather prefetched on FSDP2's or NCCL's own stream keeps flying under the next block's
+compute, as gloo's thread does on CPU. On CPU `sync` does nothing.
 """
 
 from __future__ import annotations
@@ -28,11 +36,28 @@ from torch import nn
 PHASES = ("forward", "backward", "optimizer")
 
 
-class Timeline:
-    """Events of one rank. `step` tags new events with the loop's current step (None outside a step)."""
+def _no_sync() -> None:
+    """CPU ranks: ops have finished when they return, so nothing to wait for at a span edge."""
 
-    def __init__(self, rank: int):
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What a timeline runs at each edge on `device`: wait for its current CUDA stream, or nothing (CPU)."""
+    if device.type != "cuda":
+        return _no_sync
+    return lambda: torch.cuda.current_stream(device).synchronize()
+
+
+class Timeline:
+    """Events of one rank. `step` tags new events with the loop's current step (None outside a step).
+
+    `sync` runs before every timestamp the timeline takes (`now`): `device_sync(device)` for the rank's
+    device; the default, for CPU, does nothing.
+    """
+
+    def __init__(self, rank: int, sync: Callable[[], None] = _no_sync):
         self.rank = rank
+        self.sync = sync
+        self.syncs = sync is not _no_sync  # a device whose work completes after the host returns
         self.t0_s = time.perf_counter()
         self.step: int | None = None
         self.events: list[dict] = []
@@ -44,6 +69,11 @@ class Timeline:
         """Make now time zero (events already recorded keep their times)."""
         self.t0_s = time.perf_counter()
 
+    def now(self) -> float:
+        """`time.perf_counter()` seconds once the device has caught up (`sync`): the time of an edge."""
+        self.sync()
+        return time.perf_counter()
+
     def add_abs(self, kind: str, name: str, start_abs_s: float, end_abs_s: float) -> None:
         """Record an event given in `time.perf_counter()` seconds (thread-safe: comm completes elsewhere)."""
         event = {"rank": self.rank, "kind": kind, "name": name, "start_s": start_abs_s - self.t0_s,
@@ -53,11 +83,11 @@ class Timeline:
 
     @contextmanager
     def span(self, kind: str, name: str) -> Iterator[None]:
-        start_s = time.perf_counter()
+        start_s = self.now()
         try:
             yield
         finally:
-            self.add_abs(kind, name, start_s, time.perf_counter())
+            self.add_abs(kind, name, start_s, self.now())
 
     def watch_blocks(self, model: nn.Module) -> list:
         """Compute spans "blocks.{i}.forward" and "blocks.{i}.backward" for each `model.blocks[i]`.
@@ -82,14 +112,14 @@ class Timeline:
         backward_starts: list[float] = []
 
         def backward_begins(_grad):
-            backward_starts.append(time.perf_counter())
+            backward_starts.append(self.now())
 
         def backward_ends():
             if backward_starts:
-                self.add_abs("compute", f"{unit}.backward", backward_starts.pop(), time.perf_counter())
+                self.add_abs("compute", f"{unit}.backward", backward_starts.pop(), self.now())
 
         def before_forward(_module, args):
-            forward_starts.append(time.perf_counter())
+            forward_starts.append(self.now())
             if args and _needs_grad(args[0]):
                 self._when_gradient_arrives(args[0], backward_ends)
 
@@ -101,7 +131,7 @@ class Timeline:
 
         def after_forward(_module, _args, out):
             if forward_starts:
-                self.add_abs("compute", f"{unit}.forward", forward_starts.pop(), time.perf_counter())
+                self.add_abs("compute", f"{unit}.forward", forward_starts.pop(), self.now())
             if _needs_grad(out):
                 out.register_hook(backward_begins)  # after the engine's pre-backward hook on `out`
 
