@@ -26,7 +26,7 @@ from labkit.build.verdicts import CheckResult, verdict
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
-from labkit.model import batch, build_model, loss_fn
+from labkit.model import build_model, loss_fn
 from labkit.probes import Probes, state_bytes
 from labkit.zero.sharding import shard_dim0
 
@@ -179,7 +179,7 @@ def _learner(where: str, fn: Callable, *args, trace: list | None = None):
 
 def _setup(model: str):
     info = loop.rank_info()
-    return info, dist.get_rank(), dist.get_world_size(), build_model(model).to(info.device)
+    return info, dist.get_rank(), dist.get_world_size(), loop.rank_model(model, 0, info.device)
 
 
 def _rank_shard(pieces: Pieces, model: str, steps: int) -> dict:
@@ -234,8 +234,8 @@ def _held_bytes(unit) -> int:
 
 def _rank_forward(pieces: Pieces, model: str, steps: int) -> dict:
     info, rank, n, net = _setup(model)
-    oracle = build_model(model).to(info.device)
-    tokens, targets = (t.to(info.device) for t in batch(0, model, 0, n, rank))
+    oracle = loop.rank_model(model, 0, info.device)
+    tokens, targets = loop.rank_batch(0, model, 0, n, rank, info.device)
     trace: list = []
     units = _learner("attach (your shard)", attach, net, pieces, None, trace)
     others_held: dict[str, dict[str, int]] = {}
@@ -285,15 +285,15 @@ def _rank_forward(pieces: Pieces, model: str, steps: int) -> dict:
 
 def _oracle_grads(model: str, device) -> dict[str, torch.Tensor]:
     """single's gradients of step 0: the full model on the global batch."""
-    oracle = build_model(model).to(device)
-    tokens, targets = (t.to(device) for t in batch(0, model, 0, 1, 0))
+    oracle = loop.rank_model(model, 0, device)
+    tokens, targets = loop.rank_batch(0, model, 0, 1, 0, device)
     loss_fn(oracle(tokens), targets).backward()
     return {name: p.grad for name, p in oracle.named_parameters()}
 
 
 def _forward_backward(pieces: Pieces, model: str):
     info, rank, n, net = _setup(model)
-    tokens, targets = (t.to(info.device) for t in batch(0, model, 0, n, rank))
+    tokens, targets = loop.rank_batch(0, model, 0, n, rank, info.device)
     trace: list = []
     units = _learner("attach (your shard)", attach, net, pieces, None, trace)
     with Probes(rank, info.device) as probes, probes.step(0):
@@ -368,11 +368,11 @@ def _rank_adamw(pieces: Pieces, model: str, steps: int) -> dict:
     held = [t for g in getattr(opt, "param_groups", []) for t in g["params"]]
     losses, single = [], []
     for step in range(steps):
-        data = tuple(t.to(info.device) for t in batch(step, model, 0, n, rank))
+        data = loop.rank_batch(step, model, 0, n, rank, info.device)
         loss, _ = _learner(f"training step {step}", loop.timed_step, eng, step, data, trace=eng.trace)
         dist.all_reduce(loss)
         losses.append(loss.item() / n)
-        data = tuple(t.to(info.device) for t in batch(step, model, 0, 1, 0))
+        data = loop.rank_batch(step, model, 0, 1, 0, info.device)
         single.append(loop.timed_step(oracle, step, data)[0].item())
     return {
         "optimizer": type(opt).__name__,

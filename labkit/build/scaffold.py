@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.engines.base import RankInfo, RunConfig, adamw
+from labkit.engines.loop import to_rank_device
 from labkit.model import loss_fn
 from labkit.zero.hooks import model_units
 
@@ -177,7 +178,7 @@ class LearnerEngine:
         self, pieces: Pieces, cfg: RunConfig, model: nn.Module, info: RankInfo, name: str = "learner"
     ):
         self.name = name
-        self.model = model.to(info.device)
+        self.model = to_rank_device(model, info.device)
         self.trace: list[tuple[str, str]] = []
         self.units = attach(self.model, pieces, trace=self.trace)
         self.shards = [s for unit in self.units for s in unit.shards]

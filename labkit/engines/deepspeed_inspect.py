@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from labkit.engines import deepspeed as ds_engine
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import rank_info, train_steps
+from labkit.engines.loop import rank_info, rank_model, train_steps
 from labkit.model import build_model, count_params
 from labkit.probes import Probes, state_bytes
 from labkit.probes.memory import storages
@@ -47,7 +47,7 @@ def own_accounting_beside_probe(cfg: RunConfig) -> dict[str, Any]:
     _quiet_deprecations()
     cfg = replace(cfg, options={**cfg.options, "comms_logger": True})
     info = rank_info()
-    model = build_model(cfg.model, cfg.seed)
+    model = rank_model(cfg.model, cfg.seed, info.device)
     estimate = ds_engine.memory_estimate(build_model(cfg.model, cfg.seed), info.world_size)
     with Probes(info.rank, info.device) as probes:
         engine = ds_engine.build(cfg, model, info)
@@ -133,6 +133,6 @@ def tensors_outside_state(engine: ds_engine.DeepSpeedEngine) -> dict[str, int]:
 def itemise_state(cfg: RunConfig) -> dict[str, Any]:
     """Rank side, for `labkit.launch`: build the deepspeed engine, train `cfg.steps` steps, `state_terms`."""
     _quiet_deprecations()
-    engine = ds_engine.build(cfg, build_model(cfg.model, cfg.seed), rank_info())
+    engine = ds_engine.build(cfg, rank_model(cfg.model, cfg.seed), rank_info())
     losses = train_steps(engine, cfg)
     return {**state_terms(engine, cfg), "losses": losses}

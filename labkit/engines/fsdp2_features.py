@@ -36,8 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from labkit.engines import fsdp2
 from labkit.engines.base import RunConfig, adamw
-from labkit.engines.loop import rank_info, train_steps
-from labkit.model import batch, build_model
+from labkit.engines.loop import rank_batch, rank_info, rank_model, train_steps
 from labkit.probes import Probes
 
 
@@ -50,7 +49,7 @@ def shard_mesh() -> DeviceMesh:
 def build_engine(cfg: RunConfig, mesh: DeviceMesh | None = None) -> fsdp2.Fsdp2Engine:
     """The fsdp2 engine on fresh weights: `fsdp2.shard_model` over `mesh` (default `shard_mesh()`), asserted."""
     mesh = mesh or shard_mesh()
-    model = build_model(cfg.model, cfg.seed)
+    model = rank_model(cfg.model, cfg.seed)
     fsdp2.shard_model(model, cfg, mesh)
     fsdp2.assert_sharded(model, mesh)
     return fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), rank_info().device)
@@ -99,7 +98,7 @@ def tp_fsdp(cfg: RunConfig) -> dict[str, Any]:
     """
     info = rank_info()
     mesh = init_device_mesh(info.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
-    model = build_model(cfg.model, cfg.seed)
+    model = rank_model(cfg.model, cfg.seed, info.device)
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], {"fc": ColwiseParallel(), "out": RowwiseParallel()})
     dp_mesh: DeviceMesh = mesh["dp"]
@@ -188,7 +187,7 @@ def ignored_params(
     """
     info = rank_info()
     mesh = shard_mesh()
-    model = build_model(cfg.model, cfg.seed)
+    model = rank_model(cfg.model, cfg.seed, info.device)  # FSDP2 does not move ignored parameters
     params = dict(model.named_parameters())
     ignored = {params[name] for name in names}
     common = fsdp2.shard_kwargs(cfg, mesh)
@@ -254,8 +253,8 @@ def _explain(engine: fsdp2.Fsdp2Engine, cfg: RunConfig) -> dict[str, Any]:
     (empty: the hooks ran eagerly, outside the graphs).
     """
     info = rank_info()
-    tokens, _ = batch(0, cfg.model, cfg.seed, info.world_size, info.rank)
-    explained = torch._dynamo.explain(engine.model)(tokens.to(info.device))
+    tokens, _ = rank_batch(0, cfg.model, cfg.seed, info.world_size, info.rank, info.device)
+    explained = torch._dynamo.explain(engine.model)(tokens)
     ops = {getattr(op, "__name__", str(op)) for graph_ops in explained.ops_per_graph for op in graph_ops}
     targets = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
     torch._dynamo.reset()  # the compiled run traces afresh
@@ -281,7 +280,7 @@ def comm_debug_counts(
     """
     engine = build_engine(cfg)
     train_steps(engine, replace(cfg, steps=1))
-    tokens, targets = batch(1, cfg.model, cfg.seed, dist.get_world_size(), dist.get_rank())
+    tokens, targets = rank_batch(1, cfg.model, cfg.seed, dist.get_world_size(), dist.get_rank())
     mode = CommDebugMode()
     with beside(), mode:
         engine.backward(engine.forward_loss(tokens, targets))

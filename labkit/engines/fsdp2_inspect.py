@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from labkit.engines import fsdp2
 from labkit.engines.base import RunConfig, adamw
 from labkit.engines.fsdp2_features import build_engine, shard_mesh
-from labkit.engines.loop import rank_info, train_steps
-from labkit.model import batch, build_model, loss_fn
+from labkit.engines.loop import rank_batch, rank_info, rank_model, train_steps
+from labkit.model import loss_fn
 from labkit.probes import Probes
 
 PLACEMENT_NAMES = ("blocks.0.qkv.weight", "blocks.0.ln1.bias", "tok.weight")
@@ -53,7 +53,7 @@ def mixed_precision_by_block(cfg: RunConfig, bf16_blocks: Sequence[int] = (0, 1)
     """
     info = rank_info()
     mesh = shard_mesh()
-    model = build_model(cfg.model, cfg.seed)
+    model = rank_model(cfg.model, cfg.seed, info.device)
     policies = {
         True: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         # float32 named explicitly, so the block casts a bf16 input from the block before it back up.
@@ -80,7 +80,7 @@ def mixed_precision_by_block(cfg: RunConfig, bf16_blocks: Sequence[int] = (0, 1)
 def replicate_vs_shard(cfg: RunConfig, name: str = "pos.weight") -> dict[str, Any]:
     """One parameter as a DTensor placed `Replicate()` and `Shard(0)` on the 1-D mesh: local shape and bytes."""
     mesh = shard_mesh()
-    full = dict(build_model(cfg.model, cfg.seed).named_parameters())[name].detach()
+    full = dict(rank_model(cfg.model, cfg.seed).named_parameters())[name].detach()
     out = {}
     for placement in (Replicate(), Shard(0)):
         local = distribute_tensor(full, mesh, [placement]).to_local()
@@ -100,14 +100,15 @@ def first_step_logs(cfg: RunConfig, per_block: bool = True) -> dict[str, Any]:
     """
     info = rank_info()
     mesh = shard_mesh()
-    model = build_model(cfg.model, cfg.seed)
+    model = rank_model(cfg.model, cfg.seed, info.device)
     if per_block:
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = adamw(model.parameters(), cfg)
     with _fsdp_log() as lines, Probes(info.rank, info.device) as probes, probes.step(0):
-        tokens, targets = batch(0, cfg.model, cfg.seed, info.world_size, info.rank)
+        # FSDP2 moves the forward's inputs to the device, not the targets: both come from rank_batch.
+        tokens, targets = rank_batch(0, cfg.model, cfg.seed, info.world_size, info.rank, info.device)
         loss_fn(model(tokens), targets).backward()
         optimizer.step()
     gathers = [c.payload_bytes for c in probes.comm.calls if c.kind == "all_gather"]

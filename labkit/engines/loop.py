@@ -133,6 +133,38 @@ def rank_info() -> RankInfo:
     return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
+def to_rank_device(x: Any, device: torch.device | None = None) -> Any:
+    """`x` on this rank's device (`rank_info().device` unless `device` is given): a module (moved in place
+    and returned), a tensor, or a tuple / list of them (a batch). The one place a rank-side helper puts
+    its model and its batches: FSDP2 moves only a forward's inputs (the targets stay behind) and never its
+    ignored parameters, so nothing is left to a wrapper."""
+    device = device if device is not None else rank_info().device
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_rank_device(t, device) for t in x)
+    return x.to(device)
+
+
+def rank_batch(
+    step: int, model: str, seed: int, world_size: int = 1, rank: int = 0, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`labkit.model.batch` (this rank's slice of step `step`'s global batch) on this rank's device."""
+    return to_rank_device(batch(step, model, seed, world_size, rank), device)
+
+
+def rank_model(name: str, seed: int = 0, device: torch.device | None = None) -> torch.nn.Module:
+    """`build_model(name, seed)` on this rank's device (for helpers that build a model without an engine)."""
+    return to_rank_device(build_model(name, seed), device)
+
+
+def comparison_device_type(cfg: RunConfig) -> str:
+    """The one kind of device ("cpu" or "cuda") every run of a comparison at `cfg.world_size` ranks uses.
+
+    `single`'s one rank runs there too, so the oracle never runs on a GPU while the others run on CPU
+    ranks (a 1-GPU hub with world_size 2 to 4).
+    """
+    return cluster.placement(cfg.world_size).device_type
+
+
 def train_rank(engine: str | EngineBuilder, cfg: RunConfig) -> dict[str, Any]:
     """Build `engine` on this rank, train `cfg.steps` timed steps under the probes, return what was measured.
 
@@ -154,8 +186,7 @@ def train_rank(engine: str | EngineBuilder, cfg: RunConfig) -> dict[str, Any]:
     probes = Probes(info.rank, info.device, nodes=nodes)
 
     def batch_on(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, targets = batch(step, cfg.model, cfg.seed, data_world_size, data_rank)
-        return tokens.to(info.device), targets.to(info.device)
+        return rank_batch(step, cfg.model, cfg.seed, data_world_size, data_rank, info.device)
 
     with probes:
         module = importlib.import_module(engine_module_name(engine)) if isinstance(engine, str) else engine
@@ -235,9 +266,12 @@ def train_steps(
     all-reduce after the step, outside what `probes` (installed by the caller) count.
     """
     dp_rank, dp_size = dp or (dist.get_rank(), dist.get_world_size())
+    device = rank_info().device
     losses = []
     for step in range(first_step, first_step + cfg.steps):
-        loss, _ = timed_step(eng, step, batch(step, cfg.model, cfg.seed, dp_size, dp_rank), probes)
+        loss, _ = timed_step(
+            eng, step, rank_batch(step, cfg.model, cfg.seed, dp_size, dp_rank, device), probes
+        )
         dist.all_reduce(loss)  # every rank of a data replica holds the same loss: the mean is over the world
         losses.append(loss.item() / dist.get_world_size())
     return losses
@@ -268,7 +302,10 @@ def run(engine: str | EngineBuilder, cfg: RunConfig, timeout_s: float = DEFAULT_
         # Under torchrun every rank exists already: each runs the oracle on the global batch (the same
         # numbers on every rank, no collective inside a step) and rank 0's record is the engine's.
         return merge_ranks(labkit.launch(train_rank, launched, engine, cfg)[:1], cfg.steps)
-    ranks = labkit.launch(train_rank, ranks_for(engine, cfg), engine, cfg, timeout=timeout_s)
+    device_type = comparison_device_type(cfg)
+    ranks = labkit.launch(
+        train_rank, ranks_for(engine, cfg), engine, cfg, timeout=timeout_s, device_type=device_type
+    )
     return merge_ranks(ranks, cfg.steps)
 
 
@@ -294,7 +331,8 @@ def run_many(runs: Sequence[tuple[str, RunConfig]], timeout_s: float = 600.0) ->
         raise ValueError(f"run_many needs runs on one number of ranks; these need {sorted(sizes)}")
     for engine, cfg in runs:
         validate([engine], cfg)
-    per_rank = labkit.launch(_train_runs, sizes.pop(), runs, timeout=timeout_s)
+    device_type = comparison_device_type(max((cfg for _, cfg in runs), key=lambda c: c.world_size))
+    per_rank = labkit.launch(_train_runs, sizes.pop(), runs, timeout=timeout_s, device_type=device_type)
     return [merge_ranks([r[i] for r in per_rank], cfg.steps) for i, (_, cfg) in enumerate(runs)]
 
 

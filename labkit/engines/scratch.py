@@ -134,15 +134,15 @@ def hook_trace(model_name: str = "tiny", steps: int = 2) -> list[tuple[int, str,
     """
     import torch.distributed as dist
 
-    from labkit.model import batch, build_model
+    from labkit.engines.loop import rank_batch, rank_model
 
     trace: list = []
-    model = build_model(model_name)
+    model = rank_model(model_name)
     zero = ZeRO3(model, trace=trace)
     optimizer = ShardedAdamW(zero.shards())
     out = []
     for step in range(steps):
-        tokens, targets = batch(step, model_name, world_size=dist.get_world_size(), rank=dist.get_rank())
+        tokens, targets = rank_batch(step, model_name, 0, dist.get_world_size(), dist.get_rank())
         loss_fn(model(tokens), targets).backward()
         zero.finish_backward()
         optimizer.step()

@@ -5,6 +5,9 @@
 
 Loading at another world size rebuilds each full tensor from the old shards (dropping their padding) and
 cuts the new rank's rows from it, so a run resumed on 2 ranks from a checkpoint of 4 continues exactly.
+Every file is read onto this rank's device (`map_location`): a file written by CUDA rank r would
+otherwise load onto cuda:r, a GPU this rank may not have, and the shards of one tensor onto different
+devices before they are joined.
 "World size" is the shard group's: under HSDP the first shard group writes (the others hold copies of
 the same shards) and a load cuts rows for the loading shard group. Frozen shards are saved like the rest.
 """
@@ -72,7 +75,10 @@ def load(path: str, zero: ZeRO3, optimizer: ShardedAdamW) -> None:
             f"the checkpoint in {path!r} is of another model (parameter {first!r} differs); "
             "load it into the model it was saved from"
         )
-    old = [torch.load(os.path.join(path, f"rank{r}.pt")) for r in range(meta["world_size"])]
+    device = zero.shards()[0].device  # this rank's device, where its shards live
+    old = [
+        torch.load(os.path.join(path, f"rank{r}.pt"), map_location=device) for r in range(meta["world_size"])
+    ]
     rank, world_size = dist.get_rank(zero.group), dist.get_world_size(zero.group)
 
     def reshard(kind: str, name: str) -> torch.Tensor:

@@ -8,9 +8,10 @@ sharded run and a single-process run agree to float rounding:
     p <- p - lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
 
 With `offload=True` the optimizer state (the float32 master copy, m and v) lives in separate host buffers
-(pinned when CUDA is present): each step copies the gradient shard in, updates on the host, and copies
-the new weights back. On a CPU-only machine "host" and "device" are the same memory, so the offload path
-runs and costs its copies, but frees nothing; on a GPU it moves 12 B/param of state off the device.
+(pinned when the shard they serve is on a GPU: `pins_host_buffers`): each step copies the gradient shard
+in, updates on the host, and copies the new weights back. On a CPU-only machine "host" and "device" are the
+same memory, so the offload path runs and costs its copies, but frees nothing; on a GPU it moves
+12 B/param of state off the device.
 """
 
 from __future__ import annotations
@@ -29,15 +30,24 @@ class ShardedAdamW:
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.offload = offload
         self.step_count = 0
-        pin = offload and torch.cuda.is_available()
         host = "cpu" if offload else None
-        self.master = [self._buffer(s, host, pin, copy=True) for s in shards] if offload else shards
-        self.exp_avg = [self._buffer(s, host, pin) for s in shards]
-        self.exp_avg_sq = [self._buffer(s, host, pin) for s in shards]
-        self._grad_in = [self._buffer(s, host, pin) for s in shards] if offload else None
+        self.master = [self._buffer(s, host, copy=True) for s in shards] if offload else shards
+        self.exp_avg = [self._buffer(s, host) for s in shards]
+        self.exp_avg_sq = [self._buffer(s, host) for s in shards]
+        self._grad_in = [self._buffer(s, host) for s in shards] if offload else None
 
     @staticmethod
-    def _buffer(like: torch.Tensor, device, pin: bool, copy: bool = False) -> torch.Tensor:
+    def pins_host_buffers(shard_device: torch.device) -> bool:
+        """Whether the host buffers of a shard on `shard_device` are pinned: only for a CUDA shard.
+
+        Decided by the shard, not by `torch.cuda.is_available()`: a CPU rank on a GPU node (forked, or
+        with no GPU visible) must not touch CUDA, and pinning asks the CUDA driver for the pages.
+        """
+        return shard_device.type == "cuda"
+
+    @classmethod
+    def _buffer(cls, like: torch.Tensor, device, copy: bool = False) -> torch.Tensor:
+        pin = device == "cpu" and cls.pins_host_buffers(like.device)
         buf = torch.zeros(like.shape, dtype=torch.float32, device=device or like.device, pin_memory=pin)
         if copy:
             buf.copy_(like)
