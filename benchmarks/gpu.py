@@ -1,47 +1,63 @@
-"""The benchmark on one CUDA device: engines side by side over NCCL (world size 1), and stream overlap.
+"""The benchmark on CUDA devices: the engines side by side over NCCL, and stream overlap sized to the comm.
 
     python benchmarks/gpu.py [--out benchmarks/results-gpu.md] [--reps 3] [--steps 6]
 
-For a machine with a GPU (under five minutes on one). Two parts, both medians of interleaved repetitions:
-1. step time of scratch / fsdp2 / deepspeed / ddp on `small` (fp32 and bf16), one rank on one GPU, NCCL
-   (the code path of a GPU hub; on one rank the collectives are device copies, so this times the engines'
-   own overhead, not a network), with the ratio to fsdp2;
-2. CUDA-stream overlap: an all-gather on a side stream while the default stream multiplies matrices, timed
-   with CUDA events: comm alone, compute alone, both together, and the fraction of the shorter one hidden
-   ((comm + compute - both) / min(comm, compute); 1.0 = fully overlapped).
+For a machine with a GPU (about two minutes on one). Two parts, both medians of interleaved repetitions,
+in milliseconds:
+1. step time of scratch / fsdp2 / deepspeed / ddp on `small` (fp32 and bf16), with the ratio to fsdp2:
+   every (engine, dtype, repetition) run in ONE launch (`loop.run_many`), one rank per visible GPU up to 4
+   (world size 1 on one GPU: the collectives are then device copies, so this times the engines' own
+   overhead, not a network);
+2. CUDA-stream overlap: an all-gather on a side stream while the default stream multiplies matrices,
+   timed with CUDA events: comm alone, compute alone, both together, and the fraction of the shorter one
+   hidden ((comm + compute - both) / min(comm, compute); 1.0 = fully overlapped). The compute is sized to
+   the comm (as many 2048^3 matmuls as take the all-gather's time), so neither hides the other by sheer
+   size. On one GPU the all-gather is NCCL's local copy; with two or more it crosses the interconnect.
+`benchmarks/gpu_smoke.py` runs part of this too (`benchmark_lines`) and writes it beside its checks.
 Without CUDA it says so in one sentence and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_all import step_times  # noqa: E402 (the CPU benchmark's interleaved timing, shared)
+import labkit
+from labkit import cluster
+from labkit.engines.base import RunConfig
+from labkit.engines.loop import available_engines, run_many
+from labkit.tables import median_step_s
 
-import labkit  # noqa: E402
-from labkit.engines.base import RunConfig  # noqa: E402
-from labkit.engines.loop import available_engines  # noqa: E402
+ENGINES = ("scratch", "fsdp2", "deepspeed", "ddp")
+MATMUL_N = 2048
 
 
-def _stream_overlap(numel: int, matmul_n: int, reps: int) -> dict[str, float]:
-    """Rank side: CUDA-event times (ms) of an all-gather of `numel` fp32 elements and of `matmul_n`^3
-    matmuls, alone and on two streams at once; medians over `reps`."""
+def step_times_ms(engines: list[str], cfgs: list[RunConfig], reps: int) -> dict[tuple[str, str], float]:
+    """{(engine, dtype): median step time (ms)} of every engine under every cfg, all in one launch, the
+    engines interleaved (A B C A B C ...) so a machine that slows down slows every engine alike."""
+    runs = [(e, cfg) for _ in range(reps) for cfg in cfgs for e in engines]
+    samples: dict[tuple[str, str], list[float]] = {}
+    for (engine, cfg), rec in zip(runs, run_many(runs, timeout_s=900.0), strict=True):
+        samples.setdefault((engine, cfg.dtype), []).append(median_step_s(rec) * 1e3)
+    return {key: statistics.median(v) for key, v in samples.items()}
+
+
+def _stream_overlap(numel: int, reps: int) -> dict[str, float]:
+    """Rank side: CUDA-event times (ms) of an all-gather of `numel` fp32 elements per rank and of matmuls
+    sized to take about as long, alone and on two streams at once; medians over `reps`."""
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device())
     shard = torch.randn(numel, device=device)
     full = torch.empty(numel * dist.get_world_size(), device=device)
-    a = torch.randn(matmul_n, matmul_n, device=device)
+    a = torch.randn(MATMUL_N, MATMUL_N, device=device)
     side = torch.cuda.Stream()
 
-    def timed(comm: bool, compute: bool) -> float:
+    def timed(comm: bool, matmuls: int) -> float:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -49,9 +65,8 @@ def _stream_overlap(numel: int, matmul_n: int, reps: int) -> dict[str, float]:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 dist.all_gather_into_tensor(full, shard)
-        if compute:
-            for _ in range(8):
-                a @ a
+        for _ in range(matmuls):
+            a @ a
         if comm:
             torch.cuda.current_stream().wait_stream(side)
         end.record()
@@ -59,13 +74,47 @@ def _stream_overlap(numel: int, matmul_n: int, reps: int) -> dict[str, float]:
         return start.elapsed_time(end)
 
     for _ in range(2):  # warm-up: NCCL communicator, cuBLAS handles
-        timed(True, True)
+        timed(True, 1)
+    comm_ms = statistics.median(timed(True, 0) for _ in range(reps))
+    matmul_ms = statistics.median(timed(False, 1) for _ in range(reps))
+    matmuls = max(1, round(comm_ms / matmul_ms))
     samples = {k: [] for k in ("comm", "compute", "both")}
     for _ in range(reps):
-        samples["comm"].append(timed(True, False))
-        samples["compute"].append(timed(False, True))
-        samples["both"].append(timed(True, True))
-    return {k: statistics.median(v) for k, v in samples.items()}
+        samples["comm"].append(timed(True, 0))
+        samples["compute"].append(timed(False, matmuls))
+        samples["both"].append(timed(True, matmuls))
+    return {**{k: statistics.median(v) for k, v in samples.items()}, "matmuls": matmuls}
+
+
+def benchmark_lines(reps: int, steps: int, model: str = "small") -> list[str]:
+    """The benchmark's Markdown: the step-time table, then the overlap line (both in ms)."""
+    gpus = cluster.visible_gpus() or 1
+    world_size = min(gpus, 4)
+    engines = [e for e in ENGINES if e in available_engines()]
+    cfgs = [
+        RunConfig(model=model, world_size=world_size, steps=steps, dtype=d) for d in ("float32", "bfloat16")
+    ]
+    times = step_times_ms(engines, cfgs, reps)
+    lines = [
+        f"## Step time, {model}, {world_size} rank(s) on {world_size} GPU(s), NCCL (median ms per step; ratio to "
+        "fsdp2)",
+        "",
+        "| model | dtype | " + " | ".join(engines) + " | scratch/fsdp2 |",
+        "|---|---|" + "---|" * len(engines) + "---|",
+    ]
+    for cfg in cfgs:
+        cells = " | ".join(f"{times[(e, cfg.dtype)]:.1f}" for e in engines)
+        ratio = times[("scratch", cfg.dtype)] / times[("fsdp2", cfg.dtype)]
+        lines.append(f"| {model} | {cfg.dtype} | {cells} | {ratio:.2f} |")
+    numel = 16 * 2**20  # 64 MB of fp32 per rank
+    ms = labkit.launch(_stream_overlap, world_size, numel, max(reps, 5))[0]
+    hidden = (ms["comm"] + ms["compute"] - ms["both"]) / min(ms["comm"], ms["compute"])
+    copy = "NCCL's local copy on one GPU" if world_size == 1 else f"over {world_size} GPUs"
+    lines += ["", f"## CUDA-stream overlap (all-gather of {numel * 4 * world_size // 2**20} MiB, {copy}; "
+              f"{ms['matmuls']} matmuls {MATMUL_N}^3 sized to it)", "",
+              f"comm alone {ms['comm']:.2f} ms, compute alone {ms['compute']:.2f} ms, both {ms['both']:.2f} ms: "
+              f"{hidden:.0%} of the shorter one hidden"]  # fmt: skip
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,28 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks/gpu.py: no CUDA device here; run it on a machine with a GPU", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name(0)
-    engines = [e for e in ("scratch", "fsdp2", "deepspeed", "ddp") if e in available_engines()]
     lines = [
         f"# GPU benchmark ({time.strftime('%Y-%m-%d')}, {name}, torch {torch.__version__}, "
-        f"CUDA {torch.version.cuda}, NCCL, world size 1)",
+        f"CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))})",
         "",
-        "## Step time (median s per step; ratio to fsdp2)",
-        "",
-        "| model | dtype | " + " | ".join(engines) + " | scratch/fsdp2 |",
-        "|---|---|" + "---|" * len(engines) + "---|",
+        *benchmark_lines(args.reps, args.steps),
     ]
-    for dtype in ("float32", "bfloat16"):
-        cfg = RunConfig(model="small", world_size=1, steps=args.steps, dtype=dtype)
-        times = step_times(engines, cfg, args.reps)
-        cells = " | ".join(f"{times[e]:.4f}" for e in engines)
-        lines.append(f"| small | {dtype} | {cells} | {times['scratch'] / times['fsdp2']:.2f} |")
-        print(lines[-1], flush=True)
-
-    ms = labkit.launch(_stream_overlap, 1, 64 * 2**20, 4096, max(args.reps, 5))[0]
-    hidden = (ms["comm"] + ms["compute"] - ms["both"]) / min(ms["comm"], ms["compute"])
-    lines += ["", "## CUDA-stream overlap (all-gather of 256 MB on a side stream, 8 matmuls 4096^3)", "",
-              f"comm alone {ms['comm']:.2f} ms, compute alone {ms['compute']:.2f} ms, both {ms['both']:.2f} ms: "
-              f"{hidden:.0%} of the shorter one hidden"]  # fmt: skip
     text = "\n".join(lines) + "\n"
     with open(args.out, "w") as f:
         f.write(text)

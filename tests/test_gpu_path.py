@@ -1,12 +1,14 @@
 """The CUDA path's logic, exercised on CPU: where ranks go for made-up GPU counts, the backend string they
 get, one shared placement of every rank-side helper's model and batches, host pinning decided by the
-tensor and checkpoints written on GPU ranks read on CPU ranks.
+tensor, checkpoints written on GPU ranks read on CPU ranks, and the GPU smoke script's refusal here.
 
 What needs a GPU to run is `benchmarks/gpu_smoke.py`; these tests hold everywhere (no mock collectives:
 the multi-rank ones run real gloo ranks)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.zero import ShardedAdamW
 
+ROOT = Path(__file__).resolve().parents[1]
 CUDA = Placement(GPU_BACKEND, "cuda", "spawn")
 
 # ------------------------------------------------------------------------------------- where ranks go
@@ -285,3 +288,17 @@ def test_a_checkpoint_written_on_cuda_ranks_loads_on_cpu_ranks(tmp_path):
     with pytest.raises(RuntimeError, match="CUDA"):
         torch.load(tmp_path / "rank1.pt")  # what `load` did before it passed map_location
     assert labkit.launch(_load, 2, str(tmp_path)) == saved
+
+
+# ------------------------------------------------------------------------------------------- GPU smoke
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run benchmarks/gpu_smoke.py itself")
+def test_the_gpu_smoke_script_refuses_without_cuda_in_one_sentence(tmp_path):
+    out = subprocess.run([sys.executable, ROOT / "benchmarks" / "gpu_smoke.py", "--out", tmp_path / "r.md"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "benchmarks/gpu_smoke.py: no CUDA device is visible here; run it on a machine with a GPU"
+    ]
+    assert not (tmp_path / "r.md").exists()
