@@ -72,10 +72,11 @@ def run_parity(cfg: RunConfig, repeats: int = 3, timeout_s: float = 600.0) -> di
 
     Per label: "calls" and "wire_bytes" per step by collective (rank 0, last step), "median_step_s" per
     repetition (`tables.median_step_s`: steps after the first), "step_s" (the median of those), "spread"
-    (max / min of them) and "losses" (the first repetition's). "ratio": DeepSpeed matched / FSDP2 at module
+    (max / min of them), "phase_s" (rank 0's forward, backward and optimizer spans, s per step, the
+    median over repetitions) and "losses" (the first repetition's). "ratio": DeepSpeed matched / FSDP2 at module
     units, each repetition's pair, and their median.
     """
-    from labkit.tables import median_step_s
+    from labkit.tables import median_step_s, phase_s
 
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: pass 1 or more repetitions")
@@ -92,6 +93,10 @@ def run_parity(cfg: RunConfig, repeats: int = 3, timeout_s: float = 600.0) -> di
             "median_step_s": medians,
             "step_s": statistics.median(medians),
             "spread": max(medians) / min(medians),
+            "phase_s": {
+                phase: statistics.median(phase_s(r, phase) for r in mine)
+                for phase in ("forward", "backward", "optimizer")
+            },
             "losses": mine[0]["losses"],
         }
     pairs = [
@@ -108,15 +113,16 @@ def run_parity(cfg: RunConfig, repeats: int = 3, timeout_s: float = 600.0) -> di
 
 
 def parity_table(result: dict[str, Any]) -> str:
-    """`run_parity`'s result as a fixed-width table: calls and wire bytes by collective, step time, spread."""
-    lines = [f"{'engine':<24} {'all-gathers':>11} {'reduce-scatters':>15} {'all-reduces':>11} "
-             f"{'wire MB':>8} {'step ms':>8} {'spread':>6}"]  # fmt: skip
+    """`run_parity`'s result as a fixed-width table: calls and wire bytes by collective, step and phase times."""
+    lines = [f"{'engine':<24} {'all-gathers':>11} {'reduce-scatters':>15} {'all-reduces':>11} {'wire MB':>8} "
+             f"{'step ms':>8} {'spread':>6} {'fwd ms':>7} {'bwd ms':>7} {'opt ms':>7}"]  # fmt: skip
     for label, row in result["engines"].items():
-        calls = row["calls"]
+        calls, phases = row["calls"], row["phase_s"]
         lines.append(
             f"{label:<24} {calls.get('all_gather', 0):>11} {calls.get('reduce_scatter', 0):>15} "
             f"{calls.get('all_reduce', 0):>11} {sum(row['wire_bytes'].values()) / 1e6:>8.3f} "
-            f"{row['step_s'] * 1e3:>8.1f} {row['spread']:>6.2f}"
+            f"{row['step_s'] * 1e3:>8.1f} {row['spread']:>6.2f} {phases['forward'] * 1e3:>7.1f} "
+            f"{phases['backward'] * 1e3:>7.1f} {phases['optimizer'] * 1e3:>7.1f}"
         )
     lines.append(f"deepspeed matched / fsdp2 module units: {result['ratio']['median']:.2f} (median of pairs)")
     return "\n".join(lines)
