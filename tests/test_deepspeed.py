@@ -370,22 +370,20 @@ def test_deepspeed_matched_to_fsdp2_issues_the_same_collectives():
         ds_config(RunConfig(options=matched_to_fsdp2("tiny")), 2)["zero_optimization"]["reduce_bucket_size"]
         == 74_400
     )
-    runs = parity.matched_runs(RunConfig(world_size=2, steps=3))
-    fsdp2_units, ds_matched = loop.run_many(
-        [runs[parity.FSDP2_MODULES], runs[parity.DEEPSPEED_MATCHED]], timeout_s=TIMEOUT_S
-    )
-    assert_close(ds_matched["losses"], reference_losses(RunConfig(steps=3)))
-    assert_close(fsdp2_units["losses"], reference_losses(RunConfig(steps=3)))
+    result = parity.run_parity(RunConfig(world_size=2, steps=3), repeats=1, timeout_s=TIMEOUT_S)
+    engines = result["engines"]
+    for row in engines.values():
+        assert_close(row["losses"], reference_losses(RunConfig(steps=3)))
     units = module_units("tiny")
-    assert {k: r["calls"] for k, r in fsdp2_units["comm"].items()} == {
-        "all_gather": 2 * units,
-        "reduce_scatter": units,
-    }
-    calls = {k: r["calls"] for k, r in ds_matched["comm"].items()}
-    assert calls == {"all_gather": 2 * units, "reduce_scatter": units, "all_reduce": 1}
-    assert ds_matched["comm"]["all_reduce"]["payload_bytes"] == 8
-    for kind in ("all_gather", "reduce_scatter"):
-        assert ds_matched["comm"][kind]["wire_bytes"] == fsdp2_units["comm"][kind]["wire_bytes"], kind
+    assert engines[parity.FSDP2_BLOCKS]["calls"] == {"all_gather": 2 * 4 + 1, "reduce_scatter": 4 + 1}
+    assert engines[parity.FSDP2_MODULES]["calls"] == {"all_gather": 2 * units, "reduce_scatter": units}
+    ds = engines[parity.DEEPSPEED_MATCHED]
+    assert ds["calls"] == {"all_gather": 2 * units, "reduce_scatter": units, "all_reduce": 1}
+    # The same bytes, and the gradient norm's all-reduce: 2 (n-1)/n x 8 B = 8 B on the wire at n = 2.
+    assert ds["wire_bytes"] == {**engines[parity.FSDP2_MODULES]["wire_bytes"], "all_reduce": 8}
+    table = parity.parity_table(result).splitlines()
+    assert [line.split(",")[0] for line in table[1:4]] == ["fsdp2", "fsdp2", "deepspeed"]
+    assert result["ratio"]["median"] == ds["step_s"] / engines[parity.FSDP2_MODULES]["step_s"]
 
 
 def test_reduce_bucket_rule_counts_deepspeeds_flushes():
