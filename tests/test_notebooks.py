@@ -1,8 +1,8 @@
 """The course notebooks: committed clean, executed headless, their key outputs checked, built into slides.
 
-Every notebook in notebooks/ is executed once per session with papermill (kernel `python3`, cwd notebooks/,
-a per-notebook timeout); the tests below read the executed copies. Their wall times are printed at the end
-of the session (and written to `notebook_times.json` in the session's temporary folder). The cells tagged
+Every notebook in notebooks/ is executed once per session with papermill by the `executed` fixture
+(tests/conftest.py, shared with tests/test_claims.py); the tests below read the executed copies. Their wall times
+are printed at the end of the session. The cells tagged
 `nbval-check-output` (deterministic budget cells) are then re-run by nbval (`--nbval-lax`) in a fresh
 kernel against the papermill run's outputs.
 """
@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import nbformat
@@ -24,10 +23,7 @@ from labkit import budget
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 ALL = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-TIMEOUT_S = {"default": 420}  # per notebook, seconds (the slowest take ~2 min on a loaded 2-core laptop)
 CHECK_TAG = "nbval-check-output"
-
-_times: dict[str, float] = {}
 
 
 def _text(nb: nbformat.NotebookNode) -> str:
@@ -42,52 +38,6 @@ def _text(nb: nbformat.NotebookNode) -> str:
             elif o.output_type == "error":
                 out.append(f"{o.ename}: {o.evalue}")
     return "\n".join(out)
-
-
-def _built_ops() -> dict[Path, int]:
-    """{DeepSpeed op library: its modification time (ns)} in this environment's torch extensions folder."""
-    from labkit import prebuild
-
-    return {f: f.stat().st_mtime_ns for f in Path(prebuild.extensions_dir()).rglob("*.so")}
-
-
-@pytest.fixture(scope="session")
-def executed(tmp_path_factory, request):
-    """{name: executed notebook}, each run lazily with papermill the first time a test asks for it."""
-    import papermill as pm
-
-    out_dir = tmp_path_factory.mktemp("executed")
-    cache: dict[str, nbformat.NotebookNode] = {}
-
-    def get(name: str) -> nbformat.NotebookNode:
-        if name not in cache:
-            start_s = time.perf_counter()
-            pm.execute_notebook(
-                str(NOTEBOOKS / name),
-                str(out_dir / name),
-                kernel_name="python3",
-                cwd=str(NOTEBOOKS),
-                progress_bar=False,
-                execution_timeout=TIMEOUT_S.get(name, TIMEOUT_S["default"]),
-            )
-            _times[name] = time.perf_counter() - start_s
-            cache[name] = nbformat.read(out_dir / name, as_version=4)
-        return cache[name]
-
-    def report():
-        if not _times:
-            return
-        (out_dir / "notebook_times.json").write_text(json.dumps(_times, indent=1))
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        lines = [f"  {name:<32} {s:6.1f} s" for name, s in _times.items()]
-        lines.append(f"  {'total':<32} {sum(_times.values()):6.1f} s")
-        if reporter is not None:
-            reporter.write_line("\nnotebook wall times (papermill):\n" + "\n".join(lines))
-
-    request.addfinalizer(report)
-    get.out_dir = out_dir
-    get.built_ops = _built_ops()  # before any notebook runs
-    return get
 
 
 # ------------------------------------------------------------------------------------------ committed state
@@ -129,6 +79,18 @@ def test_each_notebook_predicts_twice_names_its_exercise_and_types_no_figure(nam
     assert re.search(r"(?i)remember", prose[-1]), f"{name} does not end with the one thing to remember"
     typed = [(i, m.group(0)) for i, s in enumerate(prose) for m in TYPED_FIGURE.finditer(s)]
     assert not typed, f"{name}: figures typed into markdown (render them from the run): {typed[:4]}"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_cheat_sheet_types_no_figure(name):
+    """A cheat sheet quotes its figure from the executed notebook (`{{figure}}`); its prose types none."""
+    from labkit.slides import DEFAULT_CHEATSHEETS_DIR, FIGURE_SPEC
+
+    prose = FIGURE_SPEC.sub(
+        "", (DEFAULT_CHEATSHEETS_DIR / name.replace(".ipynb", ".md")).read_text(), count=1
+    )
+    typed = [m.group(0) for m in TYPED_FIGURE.finditer(prose)]
+    assert not typed, f"{name}'s cheat sheet types figures (quote them via its figure line): {typed[:4]}"
 
 
 def test_course_has_notebooks_00_to_07():
@@ -209,7 +171,7 @@ def test_05_fsdp2_features(executed):
 def test_06_deepspeed_knobs_and_scale(executed):
     text = _text(executed("06_deepspeed_surface.ipynb"))
     # DeepSpeed's ops were built at set-up: its cold starts in the notebooks load them and build nothing.
-    assert executed.built_ops and _built_ops() == executed.built_ops
+    assert executed.built_ops and executed.built_ops_now() == executed.built_ops
     assert '"stage": 3' in text
     fair = re.search(r"^fair\s+(\d+)\s+([\d,]+)\s+([\d,]+)", text, re.M)
     assert fair and fair.group(2) == fair.group(3), "fair DeepSpeed all-gather bytes == its formula"
