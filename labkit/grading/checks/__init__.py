@@ -9,47 +9,117 @@ A check is two halves that never run in the same process during grading:
                                 returns (fraction of the points earned in [0, 1], feedback sentence).
 Whatever the student's code does to its own process can only change the observation, and an observation
 earns points only if it matches a reference the student's process never saw.
+
+A check names the answers it calls (`answers`, for the integrity rule: see `labkit.grading.integrity`), its
+time limit (`limit_s`: the grader runs each probe in a process of its own and stops it there) and, when
+several probes share one expensive run (a launch of ranks), a `group`: a group's probes run one after the
+other in one process, under the largest of their limits. Judges put the edge cases an exercise is about
+first, then cases drawn from the seed, so that a common wrong answer never passes by luck.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import math
 import random
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 _ID = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+DEFAULT_LIMIT_S = 30.0  # a probe that calls plain functions; one that launches ranks says more
+ERROR_CHARS = 600  # of a probe's error, in the feedback
+_LAUNCH_MARGIN_S = (
+    10.0  # a launch inside a probe stops this long before its limit (its ranks take seconds to stop)
+)
+_deadline: list[
+    float
+] = []  # monotonic time by which the running probe must finish (set by the answers process)
 
 
 class MissingAnswer(LookupError):
     """A name the answer cells should define is not there (the cell raised, or defines another name)."""
 
 
+class Diagnosis(Exception):
+    """A probe's failure already said in the student's terms: the feedback shows the message alone."""
+
+
+class TimedOut(Diagnosis):
+    """A probe's own run (a launch of ranks) ran past its time limit: the report counts it as a limit hit."""
+
+
 @dataclass(frozen=True)
 class Check:
-    """One graded question: `points` earned in proportion to the fraction `judge` returns."""
+    """One graded question: `points` earned in proportion to the fraction `judge` returns.
+
+    `answers`: the names the probe calls; `limit_s`: seconds its probe may run (wall clock); `group`: checks
+    of one group share one process and one run (see the module docstring)."""
 
     name: str
     points: int
     probe: Callable[[dict, int], Any]
     judge: Callable[[Any, int], tuple[float, str]]
+    answers: tuple[str, ...] = ()
+    limit_s: float = DEFAULT_LIMIT_S
+    group: str = ""
 
 
 @dataclass(frozen=True)
 class Exercise:
-    """An exercise's checks. `id` is the notebooks' `metadata.labkit.exercise`."""
+    """An exercise's checks. `id` is the notebooks' `metadata.labkit.exercise`.
+
+    `forbidden`: dotted prefixes of the labkit code that implements what the answers must write (an answer
+    cell that uses one earns nothing for the checks of the names it defines); `allowed`: exact dotted names
+    under those prefixes the exercise hands the student (e.g. a helper its set-up cell imports for them)."""
 
     id: str
     title: str
     checks: tuple[Check, ...]
+    forbidden: tuple[str, ...] = ()
+    allowed: tuple[str, ...] = ()
 
     @property
     def max_score(self) -> int:
         return sum(c.points for c in self.checks)
+
+    def groups(self) -> list[tuple[Check, ...]]:
+        """The checks as the answers process runs them: one process per group (an ungrouped check alone)."""
+        order: dict[str, list[Check]] = {}
+        for i, check in enumerate(self.checks):
+            order.setdefault(check.group or f"#{i}", []).append(check)
+        return [tuple(checks) for checks in order.values()]
+
+
+def group_limit_s(checks: Sequence[Check], override_s: float | None = None) -> float:
+    """Seconds one group's process may run: the largest of its checks' limits, or `override_s` when given."""
+    return float(override_s) if override_s is not None else max(c.limit_s for c in checks)
+
+
+def submission_seed(class_seed: int, exercise_id: str, student: str) -> int:
+    """The seed of one submission's cases: a hash of the class seed, the exercise and the student (31 bits).
+
+    The same three always give the same cases, so a re-grade reproduces the grade; two students get
+    different random cases (the fixed edge cases are everyone's)."""
+    digest = hashlib.sha256(f"{int(class_seed)}:{exercise_id}:{student}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def set_deadline(seconds: float | None) -> None:
+    """Start (or clear) the running probe's time limit: `launch_timeout` keeps launches inside it."""
+    _deadline[:] = [] if seconds is None else [time.monotonic() + seconds]
+
+
+def launch_timeout(default_s: float) -> float:
+    """The `timeout` for a `labkit.launch` inside a probe: `default_s`, or less, so that the launch's own
+    account of what each rank was doing arrives before the probe's process is stopped."""
+    if not _deadline:
+        return default_s
+    return max(1.0, min(default_s, _deadline[0] - time.monotonic() - _LAUNCH_MARGIN_S))
 
 
 def load(exercise_id: str) -> Exercise:
@@ -78,29 +148,46 @@ def to_json(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
+def probe_error(e: BaseException) -> str:
+    """What a probe's exception says in the feedback: its first line, with its type unless it is a Diagnosis."""
+    text = str(e).strip()
+    if not isinstance(e, Diagnosis):
+        text = f"{type(e).__name__}: {text}".strip().rstrip(":")
+    return (text.splitlines() or [type(e).__name__])[0][:ERROR_CHARS]
+
+
+def probe_one(check: Check, namespace: dict, seed: int) -> dict:
+    """{"value": observation} or {"error": what went wrong}, for one check's probe."""
+    try:
+        return {"value": to_json(check.probe(namespace, seed))}
+    except Exception as e:  # noqa: BLE001 (a wrong answer may fail in any way; it only loses its points)
+        return {"error": probe_error(e), **({"limit": "time"} if isinstance(e, TimedOut) else {})}
+
+
 def probe_all(exercise: Exercise, namespace: dict, seed: int) -> dict[str, dict]:
-    """Run every probe: {check name: {"value": observation} or {"error": "Type: message"}}."""
-    observations = {}
-    for check in exercise.checks:
-        try:
-            observations[check.name] = {"value": to_json(check.probe(namespace, seed))}
-        except Exception as e:  # noqa: BLE001 (a wrong answer may fail in any way; it only loses its points)
-            observations[check.name] = {"error": f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]}
-    return observations
+    """Run every probe here, one after the other: {check name: {"value": ...} or {"error": "..."}}."""
+    return {check.name: probe_one(check, namespace, seed) for check in exercise.checks}
 
 
 def judge_all(
-    exercise: Exercise, observations: dict, seed: int, cell_errors: Sequence[str] = ()
+    exercise: Exercise,
+    observations: dict,
+    seed: int,
+    cell_errors: Sequence[str] = (),
+    flags: dict[str, str] | None = None,
 ) -> list[dict]:
     """The report's check entries: each observation judged against its reference; points are rounded to 0.01.
 
     `cell_errors` (e.g. "cell answer-shard raised NotImplementedError") is added to the feedback of a
-    check whose probe could not run, so the student sees why.
+    check whose probe could not run, so the student sees why. `flags` ({check name: sentence}) are checks
+    that earn nothing whatever their observation (the integrity rule); the sentence is their feedback.
     """
     entries = []
     for check in exercise.checks:
         seen = observations.get(check.name) if isinstance(observations, dict) else None
-        if isinstance(seen, dict) and "value" in seen:
+        if flags and check.name in flags:
+            fraction, feedback = 0.0, flags[check.name]
+        elif isinstance(seen, dict) and "value" in seen:
             try:
                 fraction, feedback = check.judge(seen["value"], seed)
                 fraction = min(1.0, max(0.0, float(fraction)))
