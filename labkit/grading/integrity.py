@@ -1,0 +1,153 @@
+"""The integrity rule: an answer cell must not use the labkit code that implements what it asks for.
+
+`shard_rows = labkit.zero.sharding.shard_dim0` is labkit's answer, not the student's. Each exercise lists
+the dotted prefixes of that code (`Exercise.forbidden`, e.g. `labkit.zero`) and the exact names under them
+it hands out on purpose (`Exercise.allowed`). The grader reads the answer cells' source (never runs it):
+every import, every attribute chain and `getattr` on an imported name, and every string naming a forbidden
+module, resolved through the imports of the pristine set-up cells and of the answer cells so far. A check
+whose answers are defined in a cell that uses one earns no points, with a sentence saying why. The answers
+process adds what source cannot show: an answer object that *is* a function of a forbidden module
+(`answer_origins`), however it was reached.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Sequence
+
+
+def _is_forbidden(path: str, forbidden: Sequence[str], allowed: Sequence[str]) -> bool:
+    if path in allowed:
+        return False
+    return any(path == p or path.startswith(p + ".") for p in forbidden)
+
+
+def _dotted(node: ast.AST, names: dict[str, str]) -> str | None:
+    """`a.b.c` (or `getattr(a, "b")`) with `a` resolved through the imports in `names`, else None."""
+    parts = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            parts.append(node.args[1].value)
+            node = node.args[0]
+        else:
+            break
+    if isinstance(node, ast.Name) and node.id in names:
+        return ".".join([names[node.id], *reversed(parts)])
+    return None
+
+
+def _imports(tree: ast.AST) -> dict[str, str]:
+    """{local name: dotted path} of every absolute import in `tree`."""
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    found[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    found[top] = top
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                found[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return found
+
+
+def uses(
+    source: str, names: dict[str, str], forbidden: Sequence[str], allowed: Sequence[str] = ()
+) -> list[str]:
+    """The forbidden dotted names one cell's `source` reaches; `names` (imports so far) is extended in place."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found: list[str] = []
+    here = _imports(tree)
+    for path in here.values():
+        if _is_forbidden(path, forbidden, allowed):
+            found.append(path)
+    names.update(here)
+    inner = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Attribute, ast.Call)):
+            child = node.value if isinstance(node, ast.Attribute) else (node.args[0] if node.args else None)
+            if child is not None:
+                inner.add(id(child))
+    for node in ast.walk(tree):
+        path = None
+        if isinstance(node, (ast.Attribute, ast.Call)) and id(node) not in inner:
+            path = _dotted(node, names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in names:
+            path = names[node.id]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+            path = next((p for p in forbidden if p in text), None)
+        if path and _is_forbidden(path, forbidden, allowed):
+            found.append(path)
+    return sorted(set(found))
+
+
+def defined(source: str) -> set[str]:
+    """Top-level names a cell binds: functions, classes, assignments and imports."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    names = set(_imports(tree))
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def scan(cells: Iterable[dict], forbidden: Sequence[str], allowed: Sequence[str] = ()) -> dict[str, dict]:
+    """{answer cell id: {"uses": [dotted names], "defines": [names]}} for every answer cell that breaks the rule.
+
+    `cells` are the answers process's cells in order ({"id", "role", "source"}): set-up cells only add
+    their imports; answer cells are checked."""
+    names: dict[str, str] = {}
+    flagged = {}
+    for cell in cells:
+        found = uses(cell["source"], names, forbidden, allowed)
+        if cell["role"] == "answer" and found:
+            flagged[cell["id"]] = {"uses": found, "defines": sorted(defined(cell["source"]))}
+    return flagged
+
+
+def answer_origins(
+    namespace: dict, names: Iterable[str], forbidden: Sequence[str], allowed: Sequence[str] = ()
+) -> dict[str, str]:
+    """{answer name: 'module.qualname'} for answers that are themselves labkit's forbidden functions or classes."""
+    found = {}
+    for name in names:
+        obj = namespace.get(name)
+        obj = getattr(obj, "func", obj)  # a functools.partial of it
+        module = getattr(obj, "__module__", None)
+        if not isinstance(module, str):
+            continue
+        path = f"{module}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
+        if _is_forbidden(module, forbidden, ()) and path not in allowed:
+            found[name] = path
+    return found
+
+
+def sentence(uses_: Sequence[str], cell: str) -> str:
+    """The feedback of a flagged check."""
+    return (
+        f"no points: your answer cell {cell!r} uses {', '.join(uses_)}, labkit's own implementation of what "
+        "this exercise asks you to write (answer cells may not call it); write it yourself"
+    )
