@@ -40,7 +40,7 @@ def _state_check(strategy: str) -> Check:
             )
         return tally(cases)
 
-    return Check(f"state bytes per rank: {strategy}", 1, probe, judge)
+    return Check(f"state bytes per rank: {strategy}", 1, probe, judge, answers=("state_bytes_per_rank",))
 
 
 def _fit_cases(seed: int) -> list[tuple[float, float, str]]:
@@ -100,6 +100,7 @@ EXERCISE = Exercise(
     "Memory arithmetic per strategy",
     (
         *(_state_check(s) for s in STRATEGIES),
-        Check("fewest ranks to fit the state", 2, _fit_probe, _fit_judge),
+        Check("fewest ranks to fit the state", 2, _fit_probe, _fit_judge, answers=("min_ranks_to_fit",)),
     ),
+    forbidden=("labkit.budget",),
 )

@@ -1,18 +1,35 @@
-"""Exercise 02: shard a parameter on dim 0 (uneven sizes, zero padding) and rebuild it with an all-gather."""
+"""Exercise 02: shard a parameter on dim 0 (uneven sizes, zero padding) and rebuild it with an all-gather.
+
+Every grade includes the three edge cases of sharding (fewer rows than ranks, rows not a multiple of the
+ranks, rows an exact multiple: where `d0 // n + 1` and `d0 // n` part from `ceil(d0 / n)`), then cases
+drawn from the seed."""
 
 from __future__ import annotations
 
-from labkit.grading.checks import Check, Exercise, answer, rng, tally, tensor_json, tensor_mismatch
+from labkit.grading import ranks
+from labkit.grading.checks import (
+    Check,
+    Exercise,
+    answer,
+    launch_timeout,
+    rng,
+    tally,
+    tensor_json,
+    tensor_mismatch,
+)
 
 GATHER_RANKS = 3
 LAUNCH_TIMEOUT_S = 60.0
+GATHER_LIMIT_S = 75.0
 
 
 def _cases(seed: int, salt: str, world_sizes: tuple[int, ...]) -> list[tuple[tuple[int, ...], int]]:
-    """(shape, world_size) pairs: uneven on purpose, one with fewer rows than ranks, one 1-D."""
+    """(shape, world_size) pairs: the edge cases first (d0 % n != 0, d0 < n, d0 = n * k, 1-D), then drawn ones."""
     r = rng(seed, salt)
     n0 = world_sizes[0]
-    fixed = [((7, 4), n0), ((2, 3), n0), ((5,), n0)]
+    fixed = [((7, 4), n0), ((2, 3), n0), ((2 * n0, 2), n0), ((5,), n0)]
+    if 4 in world_sizes:
+        fixed += [((8,), 4), ((1, 2), 4)]
     drawn = [((r.randrange(1, 14), r.randrange(1, 6)), r.choice(world_sizes)) for _ in range(2)]
     return fixed + drawn + [((r.randrange(1, 9), 2, 3), r.choice(world_sizes))]
 
@@ -62,11 +79,11 @@ def _gather_rank(gather, cases: list, seed: int) -> list:
 
 
 def _gather_probe(ns: dict, seed: int) -> list:
-    import labkit
-
     gather = answer(ns, "gather_full")
     cases = _cases(seed, "gather", (GATHER_RANKS,))
-    return labkit.launch(_gather_rank, GATHER_RANKS, gather, cases, seed, timeout=LAUNCH_TIMEOUT_S)
+    return ranks.launch(
+        _gather_rank, GATHER_RANKS, gather, cases, seed, timeout=launch_timeout(LAUNCH_TIMEOUT_S)
+    )
 
 
 def _gather_judge(got: list, seed: int) -> tuple[float, str]:
@@ -84,12 +101,21 @@ EXERCISE = Exercise(
     "ex02_shard",
     "Shard a parameter on dim 0 and all-gather it back",
     (
-        Check("shard: this rank's rows, zero-padded to ceil(d0/n)", 3, _shard_probe, _shard_judge),
+        Check(
+            "shard: this rank's rows, zero-padded to ceil(d0/n)",
+            3,
+            _shard_probe,
+            _shard_judge,
+            answers=("shard_rows",),
+        ),
         Check(
             f"gather: the all-gather rebuilds the parameter on {GATHER_RANKS} ranks",
             3,
             _gather_probe,
             _gather_judge,
+            answers=("gather_full",),
+            limit_s=GATHER_LIMIT_S,
         ),
     ),
+    forbidden=("labkit.zero", "labkit.build.reference"),
 )

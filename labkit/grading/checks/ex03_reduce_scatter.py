@@ -7,21 +7,35 @@ parameter padded on dim 0 so that rank r's rows of every parameter are one conti
 
 from __future__ import annotations
 
-from labkit.grading.checks import Check, Exercise, answer, rng, tally, tensor_json, tensor_mismatch
+from labkit.grading import ranks
+from labkit.grading.checks import (
+    Check,
+    Exercise,
+    answer,
+    launch_timeout,
+    rng,
+    tally,
+    tensor_json,
+    tensor_mismatch,
+)
 
 RANKS = 3
 LAUNCH_TIMEOUT_S = 60.0
+RANKS_LIMIT_S = 75.0  # the three checks that share one launch
+BOTH = ("reduce_scatter_mean", "pack_grads")
 ATOL = 1e-5
 
 
 def _flat_numels(seed: int) -> list[int]:
+    """Uneven (10), an exact multiple of the ranks (9), fewer elements than ranks (2), then one drawn."""
     r = rng(seed, "flat")
-    return [10, r.choice([7, 11, 13, 14]), r.randrange(1, 3)]
+    return [10, 9, 2, r.choice([7, 11, 12, 13, 14])]
 
 
 def _shapes(seed: int) -> list[list[tuple[int, ...]]]:
     r = rng(seed, "pack")
-    return [[(5, 3), (7,), (2, 4)], [(r.randrange(1, 8), r.randrange(1, 4)), (r.randrange(1, 6),)]]
+    fixed = [[(5, 3), (7,), (2, 4)], [(6, 2), (3,)]]  # uneven and fewer rows than ranks; exact multiples
+    return [*fixed, [(r.randrange(1, 8), r.randrange(1, 4)), (r.randrange(1, 6),)]]
 
 
 def _grad(seed: int, rank: int, key: int, shape: tuple[int, ...]):
@@ -91,14 +105,13 @@ _last_launch: dict = {}
 
 def _launch(ns: dict, seed: int) -> list[dict]:
     """One launch serves the three probes that need ranks: the result (or failure) is kept for the same answers."""
-    import labkit
-
     fns = answer(ns, "reduce_scatter_mean"), answer(ns, "pack_grads")
     key = (*fns, seed)
     held = _last_launch.get("key")
     if held is None or any(a is not b for a, b in zip(held, key, strict=True)):
         try:
-            _last_launch["outcome"] = labkit.launch(_rank, RANKS, *fns, seed, timeout=LAUNCH_TIMEOUT_S)
+            timeout = launch_timeout(LAUNCH_TIMEOUT_S)
+            _last_launch["outcome"] = ranks.launch(_rank, RANKS, *fns, seed, timeout=timeout)
         except Exception as e:  # noqa: BLE001 (kept, so the other probes report the same failure)
             _last_launch["outcome"] = e
         _last_launch["key"] = key
@@ -191,14 +204,36 @@ EXERCISE = Exercise(
             3,
             _flat_probe,
             _flat_judge,
+            answers=BOTH,
+            limit_s=RANKS_LIMIT_S,
+            group="ranks",
         ),
-        Check("flat buffer: one reduce-scatter per buffer, no all-reduce", 1, _calls_probe, _calls_judge),
-        Check("pack: the send buffer laid out as ShardedUnit packs it", 2, _pack_probe, _pack_judge),
+        Check(
+            "flat buffer: one reduce-scatter per buffer, no all-reduce",
+            1,
+            _calls_probe,
+            _calls_judge,
+            answers=BOTH,
+            limit_s=RANKS_LIMIT_S,
+            group="ranks",
+        ),
+        Check(
+            "pack: the send buffer laid out as ShardedUnit packs it",
+            2,
+            _pack_probe,
+            _pack_judge,
+            answers=("pack_grads",),
+        ),
         Check(
             "pack + reduce-scatter: each rank gets its rows of every parameter",
             2,
             _packed_probe,
             _packed_judge,
+            answers=BOTH,
+            limit_s=RANKS_LIMIT_S,
+            group="ranks",
         ),
     ),
+    forbidden=("labkit.zero", "labkit.build.reference"),
+    allowed=("labkit.zero.sharding.dim0_rows",),  # the set-up cell imports it for pack_grads
 )

@@ -147,8 +147,27 @@ EXERCISE = Exercise(
     "ex04_prefetch",
     "A prefetch schedule: what to gather, when",
     (
-        Check("the order the hooks fire in forward and backward", 2, _orders_probe, _orders_judge),
-        Check("prefetch schedule of a steady step", 3, _schedule_probe, _schedule_judge),
-        Check("all-gathers per step, with and without reshard_after_forward", 2, _count_probe, _count_judge),
+        Check(
+            "the order the hooks fire in forward and backward",
+            2,
+            _orders_probe,
+            _orders_judge,
+            answers=("forward_order", "backward_order"),
+        ),
+        Check(
+            "prefetch schedule of a steady step",
+            3,
+            _schedule_probe,
+            _schedule_judge,
+            answers=("prefetch_schedule",),
+        ),
+        Check(
+            "all-gathers per step, with and without reshard_after_forward",
+            2,
+            _count_probe,
+            _count_judge,
+            answers=("all_gathers_per_step",),
+        ),
     ),
+    forbidden=("labkit.zero", "labkit.engines"),
 )

@@ -16,6 +16,7 @@ from unittest import mock
 from labkit.grading.checks import Check, Exercise, answer, rng, tally
 
 _LOCK = threading.Lock()
+OFFLOAD = ("offload_config",)
 
 
 def parse(config: dict, world_size: int):
@@ -131,14 +132,34 @@ EXERCISE = Exercise(
     "ex05_deepspeed",
     "DeepSpeed configs for offload and ZeRO++",
     (
-        Check("offload: DeepSpeed's parser accepts it on n ranks", 2, _offload_probe, _accepted_judge),
+        Check(
+            "offload: DeepSpeed's parser accepts it on n ranks",
+            2,
+            _offload_probe,
+            _accepted_judge,
+            answers=OFFLOAD,
+        ),
         Check(
             "offload: ZeRO-3 with optimizer state and parameters on the CPU",
             2,
             _offload_probe,
             _offload_judge,
+            answers=OFFLOAD,
         ),
-        Check("offload: train batch = micro batch x n, no accumulation", 1, _offload_probe, _batch_judge),
-        Check("ZeRO++: accepted, with qwZ, hpZ over one node and qgZ", 3, _zeropp_probe, _zeropp_judge),
+        Check(
+            "offload: train batch = micro batch x n, no accumulation",
+            1,
+            _offload_probe,
+            _batch_judge,
+            answers=OFFLOAD,
+        ),
+        Check(
+            "ZeRO++: accepted, with qwZ, hpZ over one node and qgZ",
+            3,
+            _zeropp_probe,
+            _zeropp_judge,
+            answers=("zeropp_config",),
+        ),
     ),
+    forbidden=("labkit.engines",),
 )

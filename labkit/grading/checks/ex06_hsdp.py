@@ -115,14 +115,34 @@ EXERCISE = Exercise(
     "ex06_hsdp",
     "An HSDP mesh and its traffic",
     (
-        Check("shard groups and replicate groups of the mesh", 2, _groups_probe, _groups_judge),
+        Check(
+            "shard groups and replicate groups of the mesh",
+            2,
+            _groups_probe,
+            _groups_judge,
+            answers=("hsdp_groups",),
+        ),
         Check(
             "wire bytes per rank per step, per collective (vs labkit.budget)",
             3,
             _traffic_probe,
             _traffic_judge,
+            answers=("hsdp_traffic",),
         ),
-        Check("which collectives cross shard groups", 1, _crosses_probe, _crosses_judge),
-        Check("state bytes per rank", 1, _state_probe, _state_judge),
+        Check(
+            "which collectives cross shard groups",
+            1,
+            _crosses_probe,
+            _crosses_judge,
+            answers=("crosses_groups",),
+        ),
+        Check(
+            "state bytes per rank",
+            1,
+            _state_probe,
+            _state_judge,
+            answers=("hsdp_state_bytes_per_rank",),
+        ),
     ),
+    forbidden=("labkit.budget", "labkit.zero"),
 )

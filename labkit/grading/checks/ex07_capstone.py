@@ -21,11 +21,13 @@ import functools
 import math
 import threading
 
-from labkit.grading.checks import Check, Exercise, answer, rng, tally, tensor_json
+from labkit.grading import ranks
+from labkit.grading.checks import Check, Exercise, answer, launch_timeout, rng, tally, tensor_json
 
 RANKS = 3
 STEPS = 3
 LAUNCH_TIMEOUT_S = 120.0
+RANKS_LIMIT_S = 150.0  # the four checks share one training run
 LOSS_REL_TOL = 1e-4
 GRAD_REL_TOL = 1e-4  # of the largest |gradient| of the parameter, float32 sums in another order
 PIECES = (
@@ -158,7 +160,6 @@ _last_launch: dict = {}
 
 def _launch(ns: dict, seed: int) -> list[dict]:
     """One training run serves the four probes: the result (or failure) is kept for the same answers."""
-    import labkit
     from labkit.build.scaffold import Pieces
 
     fns = tuple(answer(ns, name) for name in PIECES)
@@ -174,7 +175,8 @@ def _launch(ns: dict, seed: int) -> list[dict]:
 
             fns[0](torch.zeros(4, 2), 0, RANKS)  # a stub raises here, with its own message, not from a rank
             pieces = Pieces(**dict(zip(PIECES, fns, strict=True)))
-            _last_launch["outcome"] = labkit.launch(_rank, RANKS, pieces, seed, timeout=LAUNCH_TIMEOUT_S)
+            timeout = launch_timeout(LAUNCH_TIMEOUT_S)
+            _last_launch["outcome"] = ranks.launch(_rank, RANKS, pieces, seed, timeout=timeout)
         except Exception as e:  # noqa: BLE001 (kept, so the other probes report the same failure)
             _last_launch["outcome"] = e
         _last_launch["key"] = (fns, seed)
@@ -390,6 +392,8 @@ def _prefetch_judge(got: list, seed: int) -> tuple[float, str]:
     return tally(cases)
 
 
+_SHARED = {"answers": PIECES, "limit_s": RANKS_LIMIT_S, "group": "ranks"}  # one training run serves all four
+
 EXERCISE = Exercise(
     "ex07_capstone",
     "Capstone: your own ZeRO-3, with prefetch",
@@ -399,14 +403,23 @@ EXERCISE = Exercise(
             4,
             _training_probe,
             _training_judge,
+            **_SHARED,
         ),
-        Check("wire bytes per collective against the ring formula", 2, _bytes_probe, _bytes_judge),
-        Check("state bytes per rank: 16 B/param/n over the padded shards", 2, _state_probe, _state_judge),
+        Check("wire bytes per collective against the ring formula", 2, _bytes_probe, _bytes_judge, **_SHARED),
+        Check(
+            "state bytes per rank: 16 B/param/n over the padded shards",
+            2,
+            _state_probe,
+            _state_judge,
+            **_SHARED,
+        ),
         Check(
             "prefetch: the next unit's all-gather issued, async, before this unit computes",
             2,
             _prefetch_probe,
             _prefetch_judge,
+            **_SHARED,
         ),
     ),
+    forbidden=("labkit.zero", "labkit.build.reference", "labkit.build.checks", "labkit.engines.scratch"),
 )
