@@ -3,12 +3,16 @@ in a second, fresh process; the grader judges what came back against references 
 
     exercises.py  the pristine exercises: ids, and the role of each cell (answer, setup, parameters, ...)
     locks.py      locked cells: a checksum of each one's source against the pristine exercise
-    sandbox.py    a child in its own session with a hard wall-clock limit, killed with all it started
-    runner.py     the papermill execution of a working copy (evidence; timeout and dead-kernel status)
-    extract.py    the fresh answers process: pristine set-up + the student's answer cells, then the probes
-    checks/       one module per exercise: each check's probe and judge
-    grader.py     one submission or a folder, start to end; the score is summed there
-    report.py     the JSON report and the gradebook CSV
+    integrity.py  the rule that an answer cell must not use labkit's own implementation of it
+    sandbox.py    a child in its own session with a hard wall-clock limit, contained (cgroups, rlimits via
+                  _contain.py, bubblewrap), killed with all it started
+    runner.py     the papermill execution of a working copy (evidence; how it ended)
+    extract.py    the fresh answers process: pristine set-up + the student's answer cells, each under a limit,
+                  then each group of probes in a forked child under its own limit
+    ranks.py      a probe's ranks, with every collective on record: a mismatch said in one sentence
+    checks/       one module per exercise: each check's probe and judge, edge cases first, seeded
+    grader.py     one submission or a folder, start to end; the seed is derived and the score summed there
+    report.py     the JSON report, the student's feedback page, the gradebook and Canvas's import CSV
     feedback.py   check() inside the notebook, for the student only
 
 `labkit grade` (labkit/cli/grade.py) is the command line; docs/grading.md says why the grade can be trusted.

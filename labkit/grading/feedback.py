@@ -9,15 +9,26 @@ from __future__ import annotations
 
 import secrets
 
+from labkit.grading import integrity
 from labkit.grading.checks import judge_all, load, probe_all
 from labkit.grading.report import format_points
 
 
 def check(exercise_id: str, namespace: dict, seed: int | None = None) -> None:
-    """Probe the answers in `namespace` (pass `globals()`), judge them, and print one line per check."""
+    """Probe the answers in `namespace` (pass `globals()`), judge them, and print one line per check.
+
+    An answer that is labkit's own implementation earns nothing here either (the integrity rule)."""
     exercise = load(exercise_id)
     seed = secrets.randbelow(2**31) if seed is None else seed
-    entries = judge_all(exercise, probe_all(exercise, namespace, seed), seed)
+    names = {n for c in exercise.checks for n in c.answers}
+    origins = integrity.answer_origins(namespace, names, exercise.forbidden, exercise.allowed)
+    flags = {
+        c.name: f"no points: `{name}` is {origins[name]}, labkit's own implementation; write it yourself"
+        for c in exercise.checks
+        for name in c.answers
+        if name in origins
+    }
+    entries = judge_all(exercise, probe_all(exercise, namespace, seed), seed, flags=flags)
     score = sum(e["points"] for e in entries)
     print(
         f"{exercise.title}: {format_points(round(score, 2))}/{exercise.max_score} (feedback only; the grader re-runs your answer cells)"

@@ -1,10 +1,12 @@
 """Grade one submission, or a folder of them, start to end. The score is summed here, from judges run here.
 
     1. read the file as a notebook and find its exercise id (metadata.labkit.exercise) among the pristine ones
-    2. compare its locked cells with the pristine exercise (locks.py)
-    3. execute a working copy with papermill in a child process, hard time limit (runner.py): the evidence
-    4. run the pristine set-up and the submission's answer cells in a fresh child process and probe the
-       answers there (extract.py)
+    2. compare its locked cells with the pristine exercise (locks.py); read its answer cells for labkit's own
+       implementation (integrity.py)
+    3. execute a working copy with papermill in a contained child process under --timeout (runner.py): the
+       evidence, and what the student saw; its outcome is reported, it decides nothing
+    4. run the pristine set-up and the submission's answer cells in a fresh contained child, each cell and
+       each group of probes under its own limit (extract.py), on cases drawn from the submission's seed
     5. judge each observation here, in the grader, against references computed here (checks/)
 Nothing the notebook printed or wrote is read as a grade; the grader never executes the student's code.
 """
@@ -12,24 +14,53 @@ Nothing the notebook printed or wrote is read as a grade; the grader never execu
 from __future__ import annotations
 
 import json
-import secrets
+import re
 import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import nbformat
 
-from labkit.grading import exercises, locks, report, runner, sandbox
-from labkit.grading.checks import Exercise, judge_all, load
+import labkit
+from labkit.grading import exercises, integrity, locks, report, runner, sandbox
+from labkit.grading.checks import Exercise, group_limit_s, judge_all, load, submission_seed
+from labkit.grading.extract import DEFAULT_CELL_LIMIT_S
 
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_MAX_PROCESSES = 1024  # tasks (threads count) per child, where a pids cgroup can be made
+ANSWERS_START_S = 60.0  # the answers process's own start-up (Python, the check module) in its time bound
+GROUP_MARGIN_S = 5.0  # per group of probes: the fork, the stack dump of a stopped one
+FOLDER_MAJORITY = 0.75  # one exercise id on more than this share of a folder makes it that exercise's folder
 EVIDENCE_SUFFIX = ".executed.ipynb"
 REPORT_SUFFIX = ".report.json"
+FEEDBACK_SUFFIX = ".feedback.md"
+DEFAULT_STUDENT_PATTERN = r"^(?P<student>.+?)(?:\.ipynb)?$"  # the file name without .ipynb
 _LOG_TAIL_CHARS = 300
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to grade: limits (seconds, bytes), the class seed, and what the folder is for.
+
+    `timeout_s` bounds the notebook run; `check_timeout_s` replaces every check's own limit when given;
+    `cell_timeout_s` bounds each answer or set-up cell in the answers process."""
+
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    check_timeout_s: float | None = None
+    cell_timeout_s: float = DEFAULT_CELL_LIMIT_S
+    class_seed: int = 0
+    limits: sandbox.Limits = field(
+        default_factory=lambda: sandbox.Limits(max_processes=DEFAULT_MAX_PROCESSES)
+    )
+    exercise: str | None = None  # the folder's exercise: a submission of another one is an error row
+    student_pattern: str = DEFAULT_STUDENT_PATTERN
+    student: str | None = None  # this submission's student, when the caller knows it
 
 
 def default_report_path(submission: Path) -> Path:
@@ -40,6 +71,42 @@ def default_report_path(submission: Path) -> Path:
 def evidence_path(report_path: Path, submission: Path) -> Path:
     """Where the executed notebook is kept: beside the report, named after the submission."""
     return report_path.parent / (submission.name.removesuffix(".ipynb") + EVIDENCE_SUFFIX)
+
+
+def feedback_path(report_path: Path) -> Path:
+    """`alice.report.json` -> `alice.feedback.md` beside it: the page to hand back to the student."""
+    return report_path.with_name(report_path.name.removesuffix(REPORT_SUFFIX) + FEEDBACK_SUFFIX)
+
+
+def student_id(file_name: str, pattern: str = DEFAULT_STUDENT_PATTERN) -> tuple[str, str]:
+    """(student id, warning) from a file name: the pattern's `student` group (or its first group)."""
+    m = re.search(pattern, file_name)
+    stem = file_name.removesuffix(".ipynb")
+    if not m:
+        return stem, f"the file name does not match --student-pattern {pattern!r}: the student id is {stem!r}"
+    value = m.groupdict().get("student") or (m.group(1) if m.groups() else m.group(0))
+    return (value or stem), ""
+
+
+def time_bound_s(exercise: Exercise, n_cells: int, options: Options) -> dict[str, float]:
+    """Worst-case seconds of each child: the notebook run and the answers process (then the judges, trusted)."""
+    groups = sum(group_limit_s(g, options.check_timeout_s) + GROUP_MARGIN_S for g in exercise.groups())
+    answers = ANSWERS_START_S + n_cells * options.cell_timeout_s + groups
+    return {
+        "notebook": options.timeout_s,
+        "answers": round(answers, 1),
+        "total": round(options.timeout_s + answers, 1),
+    }
+
+
+def _size_text(size: int | None) -> str:
+    """2147483648 -> '2 GiB'."""
+    value, unit = float(size or 0), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:g} {unit}"
 
 
 def _not_graded(exercise: Exercise, reason: str) -> list[dict]:
@@ -64,6 +131,13 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _read_text(path: Path, limit: int = 200) -> str:
+    try:
+        return path.read_text(errors="replace").strip()[:limit]
+    except OSError:
+        return ""
+
+
 def _log_tail(path: Path) -> str:
     try:
         text = path.read_text(errors="replace").strip()
@@ -73,113 +147,228 @@ def _log_tail(path: Path) -> str:
     return lines[-1][-_LOG_TAIL_CHARS:] if lines else ""
 
 
+class _Submission:
+    """One grading, its facts gathered as it goes and written out once (`finish`)."""
+
+    def __init__(self, path: Path, report_path: Path, options: Options, catalog: dict[str, Path]):
+        self.path, self.report_path, self.options, self.catalog = path, report_path, options, catalog
+        self.start = time.monotonic()
+        student, warning = (
+            (options.student, "") if options.student else student_id(path.name, options.student_pattern)
+        )
+        self.extra: dict = {"student": student, "submitted_at": "", "class_seed": options.class_seed,
+                            "labkit_version": labkit.__version__, "warnings": [warning] if warning else [],
+                            "notes": [], "limits_hit": []}  # fmt: skip
+        try:
+            self.extra["submitted_at"] = report.utc_iso(path.stat().st_mtime)
+        except OSError:
+            pass
+        self.title = ""
+        self.pristine = None
+
+    def finish(self, status: str, checks: list[dict], reason: str = "", exercise_id: str | None = None,
+               max_score: float | None = None) -> dict:  # fmt: skip
+        if exercise_id is None and self.options.exercise:
+            exercise_id = self.options.exercise  # an error row still names the folder's exercise and its max
+        if max_score is None and not checks and exercise_id in self.catalog:
+            max_score = load(exercise_id).max_score
+        result = report.build(self.path.name, exercise_id, status, checks, time.monotonic() - self.start, reason,
+                              max_score if max_score is not None else (0 if not checks else None), **self.extra)  # fmt: skip
+        result["feedback_file"] = str(feedback_path(self.report_path))
+        report.write(result, self.report_path)
+        feedback_path(self.report_path).write_text(report.feedback_markdown(result, self.title))
+        return result
+
+
 def grade_submission(
     submission: Path,
     report_path: Path | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
     catalog: dict[str, Path] | None = None,
+    options: Options | None = None,
 ) -> dict:
-    """Grade `submission`; write its report (default `default_report_path`) and keep the executed notebook
-    beside it. `timeout_s` (seconds, wall clock) limits each of the two runs of the student's code: the
-    papermill execution and the answers process. Returns the report dict; never raises for a bad submission.
-    """
+    """Grade `submission`; write its report (default `default_report_path`), its feedback page and the
+    executed notebook beside it. Returns the report dict; never raises for a bad submission."""
+    options = options or Options()
+    if timeout_s is not None:
+        options = replace(options, timeout_s=timeout_s)
     submission = Path(submission)
     report_path = Path(report_path) if report_path else default_report_path(submission)
-    start = time.monotonic()
-    extra: dict = {}
-
-    def finish(
-        status: str, checks: list[dict], reason: str = "", exercise_id: str | None = None, **kw
-    ) -> dict:
-        result = report.build(
-            submission.name, exercise_id, status, checks, time.monotonic() - start, reason, **kw, **extra
-        )
-        report.write(result, report_path)
-        return result
-
+    catalog = exercises.index() if catalog is None else catalog
+    sub = _Submission(submission, report_path, options, catalog)
     try:
         nb = nbformat.reads(submission.read_text(encoding="utf-8"), as_version=exercises.NOTEBOOK_VERSION)
     except Exception as e:  # noqa: BLE001 (not JSON, not a notebook, unreadable: all the same to the gradebook)
         why = " ".join(str(e).split())[:200] or type(e).__name__
-        return finish("error", [], f"not a readable notebook ({type(e).__name__}: {why})", max_score=0)
+        return sub.finish("error", [], f"not a readable notebook ({type(e).__name__}: {why})")
     exercise_id = exercises.exercise_id(nb)
     if exercise_id is None:
-        return finish(
-            "error",
-            [],
-            "the notebook has no metadata.labkit.exercise: it is not a labkit exercise",
-            max_score=0,
+        return sub.finish(
+            "error", [], "the notebook has no metadata.labkit.exercise: it is not a labkit exercise"
         )
-    catalog = exercises.index() if catalog is None else catalog
     if exercise_id not in catalog:
         known = ", ".join(sorted(catalog)) or "none"
-        return finish(
-            "error", [], f"unknown exercise id {exercise_id!r}; known ids: {known}", exercise_id, max_score=0
-        )
+        return sub.finish("error", [], f"unknown exercise id {exercise_id!r}; known ids: {known}")
+    if options.exercise and exercise_id != options.exercise:
+        sub.extra["submitted_exercise"] = exercise_id
+        sub.extra["warnings"].append(f"a submission of {exercise_id}, not {options.exercise}")
+        return sub.finish("error", [], f"this notebook is exercise {exercise_id!r}, not {options.exercise!r}, which "
+                          "this folder is graded for; grade it with its own exercise (or pass --exercise)")  # fmt: skip
     try:
         exercise = load(exercise_id)
     except LookupError as e:
-        return finish("error", [], str(e), exercise_id, max_score=0)
-    pristine = nbformat.read(catalog[exercise_id], as_version=exercises.NOTEBOOK_VERSION)
-    lock_entry = locks.lock_entry(locks.verify(pristine, nb))
-    evidence = evidence_path(report_path, submission)
-
+        return sub.finish("error", [], str(e), exercise_id, max_score=0)
+    sub.title = exercise.title
+    pristine = sub.pristine = nbformat.read(catalog[exercise_id], as_version=exercises.NOTEBOOK_VERSION)
+    lock_result = locks.verify(pristine, nb)
+    lock_entry = locks.lock_entry(lock_result, pristine)
+    if not lock_result.intact:
+        sub.extra["notes"].append(lock_entry["feedback"])
+    seed = submission_seed(options.class_seed, exercise_id, sub.extra["student"])
+    sub.extra["seed"] = seed
+    cells, missing = exercises.graded_cells(pristine, nb)
+    sub.extra["limits_s"] = time_bound_s(exercise, len(cells), options)
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
-        tmp = Path(tmp)
-        work, answers = tmp / "work", tmp / "answers"
-        work.mkdir()
-        answers.mkdir()
-        copy = work / submission.name
-        shutil.copyfile(submission, copy)
-        executed = tmp / EVIDENCE_SUFFIX.lstrip(".")
-        run_result = tmp / "run.json"
-        cmd = [sys.executable, "-m", "labkit.grading.runner", str(copy), str(executed), str(run_result)]
-        ran = sandbox.run(cmd, work, timeout_s, tmp / "run.log")
-        extra["timings_s"] = {"notebook": round(ran.wall_s, 3)}
-        if executed.exists():
-            evidence.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(executed, evidence)
-            extra["executed_notebook"] = str(evidence)
-        said = _read_json(run_result)
-        if ran.returncode == 0:
-            extra["cells_raised"] = said.get("raised", [])
+        outcome = _grade_in(Path(tmp), sub, exercise, cells, seed)
+    if isinstance(outcome, dict):
+        return outcome
+    data, answers_outcome = outcome
+    return _judge(sub, exercise, data, answers_outcome, cells, missing, seed, lock_entry)
 
-        if ran.timed_out:
-            cell = runner.last_started_cell(executed) if executed.exists() else None
-            where = f" (stopped while running cell {cell!r})" if cell else ""
-            reason = f"the notebook did not finish within --timeout {timeout_s:g} s{where}"
-            return finish("timeout", [*_not_graded(exercise, reason), lock_entry], reason, exercise_id)
-        if ran.returncode != 0:
-            reason = str(
-                said.get("reason") or f"the notebook run {ran.describe()}: {_log_tail(tmp / 'run.log')}"
-            )
-            return finish("error", [*_not_graded(exercise, reason), lock_entry], reason, exercise_id)
 
-        seed = secrets.randbelow(2**31)
-        extra["seed"] = seed
-        cells, missing = exercises.graded_cells(pristine, nb)
-        job, out = tmp / "job.json", tmp / "observations.json"
-        job.write_text(json.dumps({"exercise": exercise_id, "seed": seed, "cells": cells}))
-        cmd = [sys.executable, "-m", "labkit.grading.extract", str(job), str(out)]
-        probed = sandbox.run(cmd, answers, timeout_s, tmp / "answers.log")
-        extra["timings_s"]["answers"] = round(probed.wall_s, 3)
-        if probed.timed_out:
-            reason = f"the answer cells did not finish within --timeout {timeout_s:g} s when run again on their own"
-            return finish("timeout", [*_not_graded(exercise, reason), lock_entry], reason, exercise_id)
-        data = _read_json(out) if probed.returncode == 0 else {}
-        if "observations" not in data:
-            reason = f"the answer cells, run again on their own, {probed.describe()}: {_log_tail(tmp / 'answers.log')}"
-            return finish("error", [*_not_graded(exercise, reason), lock_entry], reason, exercise_id)
+def _run_notebook(tmp: Path, sub: _Submission) -> None:
+    """The papermill run, for the evidence and the record of how it went (which never decides the grade)."""
+    run = tmp / "run"
+    run.mkdir()
+    copy = run / sub.path.name
+    shutil.copyfile(sub.path, copy)
+    executed, result = run / "executed.ipynb", run / "run.json"
+    cmd = [sys.executable, "-m", "labkit.grading.runner", str(copy), str(executed), str(result)]
+    ran = sandbox.run(cmd, run, sub.options.timeout_s, tmp / "run.log", limits=sub.options.limits)
+    sub.extra["timings_s"] = {"notebook": round(ran.wall_s, 3)}
+    sub.extra["containment"] = ran.containment
+    if executed.exists():
+        evidence = evidence_path(sub.report_path, sub.path)
+        evidence.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(executed, evidence)
+        sub.extra["executed_notebook"] = str(evidence)
+    said = _read_json(result)
+    if ran.timed_out:
+        cell = runner.last_started_cell(executed) if executed.exists() else None
+        where = f" (stopped while running {locks.cell_label(sub.pristine, cell)})" if cell else ""
+        how = f"did not finish within --timeout {sub.options.timeout_s:g} s{where}"
+        sub.extra["limits_hit"].append({"where": "notebook run", "limit": "time", "what": how})
+    elif ran.returncode == 0:
+        sub.extra["cells_raised"] = said.get("raised", [])
+        how = "ran to the end"
+    else:
+        how = str(said.get("reason") or f"{ran.describe()}: {_log_tail(tmp / 'run.log')}")
+        if ran.out_of_memory:
+            how += f" (its processes reached the --memory-limit of {_size_text(sub.options.limits.memory_bytes)})"
+            sub.extra["limits_hit"].append({"where": "notebook run", "limit": "memory", "what": how})
+    sub.extra["notebook_run"] = how
+    if how != "ran to the end":
+        sub.extra["notes"].append(
+            f"the notebook run {how}; the grade comes from your answer cells, run again"
+        )
 
+
+def _grade_in(tmp: Path, sub: _Submission, exercise: Exercise, cells: list[dict], seed: int):
+    """Steps 3 and 4 in the folder `tmp`: (observations data, the answers process's outcome), or a final report."""
+    _run_notebook(tmp, sub)
+    answers = tmp / "answers"
+    answers.mkdir()
+    job, out = answers / "job.json", answers / "observations.json"
+    job.write_text(json.dumps({"exercise": exercise.id, "seed": seed, "cells": cells,
+                               "cell_limit_s": sub.options.cell_timeout_s,
+                               "check_limit_s": sub.options.check_timeout_s}))  # fmt: skip
+    cmd = [sys.executable, "-m", "labkit.grading.extract", str(job), str(out)]
+    bound = sub.extra["limits_s"]["answers"]
+    probed = sandbox.run(cmd, answers, bound, tmp / "answers.log", limits=sub.options.limits)
+    sub.extra["timings_s"]["answers"] = round(probed.wall_s, 3)
+    data = _read_json(out)
+    if isinstance(data.get("cells"), list):
+        return data, probed
+    progress = _read_text(answers / "progress.txt")
+    during = f" while running {progress}" if progress else ""
+    if probed.timed_out:
+        reason = f"the answer cells, run again on their own, did not finish within {bound:g} s{during}"
+        sub.extra["limits_hit"].append({"where": progress or "answers", "limit": "time", "what": reason})
+        return sub.finish("timeout", [*_not_graded(exercise, reason)], reason, exercise.id)
+    reason = f"the answer cells, run again on their own, {probed.describe()}{during}"
+    if probed.out_of_memory:
+        sub.extra["limits_hit"].append({"where": progress or "answers", "limit": "memory", "what": reason})
+    elif (probed.returncode or 0) >= 0 and (tail := _log_tail(tmp / "answers.log")):
+        reason += f": {tail}"
+    return sub.finish("error", _not_graded(exercise, reason), reason, exercise.id)
+
+
+def _judge(sub: _Submission, exercise: Exercise, data: dict, probed: sandbox.Outcome, cells: list[dict],
+           missing: list[str], seed: int, lock_entry: dict) -> dict:  # fmt: skip
+    """Step 5: the integrity flags, then every observation judged here."""
     judged = time.monotonic()
     notes = [f"answer cell {cell_id!r} is missing from the submission" for cell_id in missing]
-    cells_run = data.get("cells")
-    for cell in cells_run if isinstance(cells_run, list) else []:
+    for cell in data["cells"]:
         if isinstance(cell, dict) and cell.get("error"):
-            notes.append(f"cell {cell.get('id')!r} raised {cell['error']}")
-    checks = judge_all(exercise, data.get("observations", {}), seed, notes)
-    extra["timings_s"]["judge"] = round(time.monotonic() - judged, 3)
-    return finish("graded", [*checks, lock_entry], "", exercise_id)
+            verb = "" if cell.get("timed_out") else "raised "
+            notes.append(f"cell {cell.get('id')!r} {verb}{cell['error']}")
+            if cell.get("timed_out"):
+                sub.extra["limits_hit"].append({"where": f"cell {cell.get('id')!r}", "limit": "time",
+                                                "what": str(cell["error"])})  # fmt: skip
+    flags = _integrity_flags(sub, exercise, cells, data.get("origins"))
+    observations = data.get("observations") if isinstance(data.get("observations"), dict) else {}
+    if len(observations) < len(exercise.checks):
+        progress = "the answers process stopped before it"
+        observations = {**{c.name: {"error": progress} for c in exercise.checks}, **observations}
+    memory = sub.options.limits.memory_bytes
+    for name, seen in observations.items():
+        if not isinstance(seen, dict):
+            continue
+        if seen.get("limit") == "time":
+            sub.extra["limits_hit"].append(
+                {"where": f"check {name!r}", "limit": "time", "what": str(seen.get("error"))}
+            )
+        elif (seen.get("signal") == "SIGKILL" and probed.out_of_memory) or (
+            memory and str(seen.get("error", "")).startswith("MemoryError")
+        ):
+            seen["error"] = f"{seen.get('error')} (it reached the --memory-limit of {_size_text(memory)})"
+            sub.extra["limits_hit"].append(
+                {"where": f"check {name!r}", "limit": "memory", "what": seen["error"]}
+            )
+    checks = judge_all(exercise, observations, seed, notes, flags)
+    sub.extra["timings_s"]["judge"] = round(time.monotonic() - judged, 3)
+    return sub.finish("graded", [*checks, lock_entry], "", exercise.id)
+
+
+def _integrity_flags(sub: _Submission, exercise: Exercise, cells: list[dict], origins) -> dict[str, str]:
+    """{check name: why it earns nothing} from the answer cells' source (and the answers' own origins)."""
+    if not exercise.forbidden:
+        return {}
+    flagged = integrity.scan(cells, exercise.forbidden, exercise.allowed)
+    flags, found = {}, []
+    for cell_id, hit in flagged.items():
+        found.append({"cell": cell_id, "uses": hit["uses"]})
+        for check in exercise.checks:
+            if set(check.answers) & set(hit["defines"]) and check.name not in flags:
+                flags[check.name] = integrity.sentence(hit["uses"], cell_id)
+    if isinstance(origins, dict):
+        for name, path in origins.items():
+            if not isinstance(path, str):
+                continue
+            found.append({"answer": str(name), "is": path})
+            for check in exercise.checks:
+                if name in check.answers and check.name not in flags:
+                    flags[check.name] = (
+                        f"no points: your answer `{name}` is {path}, labkit's own implementation of what this "
+                        "exercise asks you to write; write it yourself"
+                    )
+    if found:
+        sub.extra["integrity"] = found
+        sub.extra["warnings"].append("answers use labkit's own implementation: " + ", ".join(sorted(flags)))
+    return flags
+
+
+# ------------------------------------------------------------------------------------------------- folders
 
 
 def submissions(directory: Path) -> list[Path]:
@@ -188,34 +377,63 @@ def submissions(directory: Path) -> list[Path]:
 
 
 def reports_dir(gradebook: Path) -> Path:
-    """`grades.csv` -> `grades-reports/` beside it: one report and one executed notebook per submission."""
+    """`grades.csv` -> `grades-reports/` beside it (`<gradebook stem>-reports/`): a report, a feedback page
+    and an executed notebook per submission."""
     return gradebook.parent / f"{gradebook.stem}-reports"
+
+
+def report_target(gradebook: Path, submission: Path) -> Path:
+    return reports_dir(gradebook) / (submission.name.removesuffix(".ipynb") + REPORT_SUFFIX)
+
+
+def folder_exercise(files: list[Path]) -> tuple[str | None, Counter]:
+    """The exercise a folder is for: the id on more than `FOLDER_MAJORITY` of its readable notebooks, else None."""
+    ids: Counter = Counter()
+    for path in files:
+        try:
+            ex_id = exercises.exercise_id(nbformat.reads(path.read_text(encoding="utf-8"), as_version=4))
+        except Exception:  # noqa: BLE001 (unreadable: graded, and reported, as such)
+            continue
+        if ex_id:
+            ids[ex_id] += 1
+    if ids:
+        top, count = ids.most_common(1)[0]
+        if count > FOLDER_MAJORITY * sum(ids.values()):
+            return top, ids
+    return None, ids
 
 
 def grade_folder(
     directory: Path,
     gradebook: Path,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
     jobs: int = 1,
     progress: Callable[[str], None] | None = None,
+    options: Options | None = None,
+    roster: list[dict] | None = None,
+    deadline=None,
 ) -> list[dict]:
     """Grade every submission of `directory` with `jobs` at a time; write the gradebook CSV and a report per
     submission under `reports_dir(gradebook)`. `progress` gets one line per submission as it finishes.
     Returns the reports in file order. One submission's failure never stops the others."""
+    options = options or Options()
+    if timeout_s is not None:
+        options = replace(options, timeout_s=timeout_s)
     files = submissions(directory)
-    out_dir = reports_dir(Path(gradebook))
     catalog = exercises.index()
     for ex_id in catalog:
         load(ex_id)  # import every check module before any student code has run anywhere
+    if options.exercise is None:
+        inferred, _ = folder_exercise(files)
+        options = replace(options, exercise=inferred)
 
     def one(path: Path) -> dict:
-        target = out_dir / (path.name.removesuffix(".ipynb") + REPORT_SUFFIX)
+        target = report_target(Path(gradebook), path)
         try:
-            return grade_submission(path, target, timeout_s, catalog)
+            return grade_submission(path, target, None, catalog, options)
         except Exception as e:  # noqa: BLE001 (a grader bug on one file is reported on that file's row)
-            failed = report.build(
-                path.name, None, "error", [], 0.0, f"the grader failed: {type(e).__name__}: {e}", 0
-            )
+            failed = report.build(path.name, options.exercise, "error", [], 0.0,
+                                  f"the grader failed: {type(e).__name__}: {e}", 0)  # fmt: skip
             report.write(failed, target)
             return failed
 
@@ -228,5 +446,7 @@ def grade_folder(
             if progress:
                 progress(f"[{done}/{len(files)}] {path.name}  {report.summary_line(results[path])}")
     ordered = [results[p] for p in files]
-    report.write_gradebook(ordered, Path(gradebook))
+    max_score = load(options.exercise).max_score if options.exercise in catalog else None
+    rows = report.gradebook_rows(ordered, roster, deadline, options.exercise, max_score)
+    report.write_gradebook(rows, Path(gradebook))
     return ordered

@@ -48,16 +48,33 @@ def verify(pristine, submission) -> LockResult:
     return result
 
 
-def lock_entry(result: LockResult) -> dict:
-    """The report's check entry for the locked cells: worth no points, failed when any was touched."""
+def cell_label(pristine, cell_id: str) -> str:
+    """A cell as a student finds it: 'the cell under "Heading" (id demo-state)', or its id alone."""
+    heading = ""
+    for cell in pristine.cells:
+        if cell.get("cell_type") == "markdown":
+            lines = [ln.lstrip("#").strip() for ln in source(cell).splitlines() if ln.startswith("#")]
+            heading = lines[-1] if lines else heading
+        if cell.get("id") == cell_id:
+            return f'the cell under "{heading}" (id {cell_id})' if heading else f"cell {cell_id}"
+    return f"cell {cell_id}"
+
+
+def lock_entry(result: LockResult, pristine=None) -> dict:
+    """The report's check entry for the locked cells: worth no points, failed when any was touched.
+    With the `pristine` notebook, each cell is named by the heading above it, as the student sees it."""
+
+    def named(ids: list[str]) -> str:
+        return ", ".join(cell_label(pristine, i) if pristine is not None else i for i in ids)
+
     if result.intact:
         feedback = f"all {result.checked} locked cells match the exercise"
     else:
         parts = []
         if result.edited:
-            parts.append(f"edited: {', '.join(result.edited)}")
+            parts.append(f"edited: {named(result.edited)}")
         if result.missing:
-            parts.append(f"missing: {', '.join(result.missing)}")
+            parts.append(f"missing: {named(result.missing)}")
         feedback = (
             f"locked cells changed ({'; '.join(parts)}); they earn no points: the grade used the "
             "exercise's own version of every locked cell"
