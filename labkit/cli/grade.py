@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 from labkit.cli import UsageError
@@ -16,30 +17,68 @@ def register(subparsers) -> None:
         help="grade exercise notebooks: papermill runs each one, the checks run outside it",
         description="Grade a submission (writes a JSON report) or every *.ipynb of a folder (writes a gradebook "
         "CSV and one report per submission). Each submission is executed with papermill in its own process "
-        "under --timeout; its answers are then tested in a fresh process and judged by the grader. The "
-        "executed notebook is kept beside each report. Exit status 0 whenever grading ran, whatever the scores.",
+        "under --timeout; its answers are then tested in a fresh process, each check under its own limit, on "
+        "cases drawn from a seed (the class seed, the exercise and the student), and judged by the grader. "
+        "Exit status 0 whenever grading ran, whatever the scores.",
     )
     p.add_argument("submission", metavar="SUBMISSION", help="a submitted .ipynb, or a folder of them")
     p.add_argument(
         "--out", metavar="REPORT.json", default=None, help="report path (one submission; default: beside it)"
     )
-    p.add_argument(
-        "--gradebook", metavar="grades.csv", default=None, help="gradebook CSV (a folder of submissions)"
-    )
+    p.add_argument("--gradebook", metavar="grades.csv", default=None,
+                   help="gradebook CSV: a folder's, or, with one submission, the gradebook whose row it updates")  # fmt: skip
     p.add_argument("--timeout", metavar="SECONDS", type=float, default=None,
-                   help="wall-clock limit per submission for each run of its code (default 300)")  # fmt: skip
+                   help="wall-clock limit of each submission's notebook run (default 300)")  # fmt: skip
+    p.add_argument("--check-timeout", metavar="SECONDS", type=float, default=None,
+                   help="wall-clock limit of every check's probe (default: each check's own, 30 to 150 s)")  # fmt: skip
     p.add_argument("--jobs", metavar="N", type=int, default=1, help="submissions graded at once (default 1)")
+    p.add_argument("--seed", metavar="N", type=int, default=None,
+                   help="class seed: each submission's cases come from it, the exercise and the student "
+                   "(default 0, or the seed the --gradebook was graded with)")  # fmt: skip
+    p.add_argument("--memory-limit", metavar="SIZE", default=None,
+                   help="memory of all of one submission's processes together, e.g. 2G (default: no limit)")  # fmt: skip
+    p.add_argument("--max-processes", metavar="N", type=int, default=None,
+                   help="processes and threads one submission may run (default 1024, where a cgroup allows)")  # fmt: skip
+    p.add_argument("--sandbox", choices=("auto", "bwrap", "none"), default="auto",
+                   help="run submissions in a bubblewrap sandbox: read-only system, no network, no other files "
+                   "(default auto: where bwrap works)")  # fmt: skip
+    p.add_argument("--exercise", metavar="ID", default=None,
+                   help="the folder's exercise: a submission of another one is an error row (default: the id on "
+                   "more than 3/4 of the folder, if one is)")  # fmt: skip
+    p.add_argument("--roster", metavar="roster.csv", default=None,
+                   help="CSV of the class (a 'student' column, or Canvas's SIS Login ID): a row for each student "
+                   "who did not submit")  # fmt: skip
+    p.add_argument("--student-pattern", metavar="REGEX", default=None,
+                   help="how a file name gives the student id: a regex with a (?P<student>...) group "
+                   "(default: the name without .ipynb)")  # fmt: skip
+    p.add_argument("--deadline", metavar="ISO-TIME", default=None,
+                   help="e.g. 2026-12-10T23:59 (local time) or ...Z: the gradebook's late column compares each "
+                   "file's modification time with it")  # fmt: skip
+    p.add_argument(
+        "--canvas", metavar="canvas.csv", default=None, help="also write Canvas's grade-import CSV"
+    )
+    p.add_argument("--canvas-assignment", metavar="NAME", default=None,
+                   help="the Canvas assignment column (default: the exercise's title)")  # fmt: skip
     p.set_defaults(func=run)
+
+
+def _positive(value: float | None, flag: str, example: str) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise UsageError(
+            f"labkit grade: {flag} must be a positive number of seconds (e.g. {example}); got {value:g}"
+        )
 
 
 def _check(args: argparse.Namespace) -> Path:
     target = Path(args.submission)
-    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise UsageError(
-            f"labkit grade: --timeout must be a positive number of seconds (e.g. 300); got {args.timeout:g}"
-        )
+    _positive(args.timeout, "--timeout", "300")
+    _positive(args.check_timeout, "--check-timeout", "60")
     if args.jobs < 1:
         raise UsageError(f"labkit grade: --jobs must be 1 or more; got {args.jobs}")
+    if args.max_processes is not None and args.max_processes < 16:
+        raise UsageError(
+            f"labkit grade: --max-processes must be 16 or more (a kernel alone runs ~10 threads); got {args.max_processes}"
+        )
     if target.is_dir():
         if args.gradebook is None:
             raise UsageError(f"labkit grade: {target} is a folder; pass --gradebook grades.csv to grade it")
@@ -48,41 +87,125 @@ def _check(args: argparse.Namespace) -> Path:
                 "labkit grade: --out is for one submission; a folder's reports go beside --gradebook"
             )
     elif target.exists():
-        if args.gradebook is not None:
-            raise UsageError(f"labkit grade: --gradebook is for a folder; {target} is one file (use --out)")
+        if args.gradebook is not None and args.out is not None:
+            raise UsageError(
+                "labkit grade: with --gradebook a re-graded submission's report goes beside it; drop --out"
+            )
     else:
         raise UsageError(
             f"labkit grade: {target} does not exist; pass a submitted .ipynb or a folder of them"
         )
+    if args.canvas and args.gradebook is None:
+        raise UsageError("labkit grade: --canvas needs --gradebook (it is written from the gradebook's rows)")
+    for flag, value in (("--roster", args.roster),):
+        if value is not None and not Path(value).is_file():
+            raise UsageError(f"labkit grade: {flag} {value} does not exist; pass a CSV file")
+    if args.student_pattern is not None:
+        try:
+            re.compile(args.student_pattern)
+        except re.error as e:
+            raise UsageError(f"labkit grade: --student-pattern is not a regular expression ({e})") from None
     return target
 
 
+def _options(args: argparse.Namespace, gradebook: Path | None):
+    """The grader's Options from the flags (and the seed of an existing gradebook, for a re-grade)."""
+    from labkit.grading import exercises, grader, report, sandbox
+
+    try:
+        memory = sandbox.parse_size(args.memory_limit) if args.memory_limit is not None else None
+    except ValueError as e:
+        raise UsageError(f"labkit grade: --memory-limit {e}") from None
+    if memory is not None and memory < 256 * 2**20:
+        raise UsageError(
+            f"labkit grade: --memory-limit {args.memory_limit} is below 256M: Python and a kernel need more"
+        )
+    if args.sandbox == "bwrap" and not sandbox.bwrap_usable():
+        raise UsageError("labkit grade: --sandbox bwrap, but bubblewrap cannot build a sandbox here; install the "
+                         "Debian package bubblewrap, or pass --sandbox auto or none")  # fmt: skip
+    if args.exercise is not None and args.exercise not in exercises.index():
+        known = ", ".join(sorted(exercises.index()))
+        raise UsageError(f"labkit grade: --exercise {args.exercise!r} is not an exercise; known ids: {known}")
+    seed = args.seed
+    if seed is None and gradebook is not None and gradebook.exists():
+        seeds = {row.get("class_seed") for row in report.read_gradebook(gradebook)} - {None, ""}
+        seed = int(seeds.pop()) if len(seeds) == 1 else None
+    limits = sandbox.Limits(memory, args.max_processes or grader.DEFAULT_MAX_PROCESSES, args.sandbox)
+    return grader.Options(
+        timeout_s=grader.DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
+        check_timeout_s=args.check_timeout,
+        class_seed=0 if seed is None else seed,
+        limits=limits,
+        exercise=args.exercise,
+        student_pattern=args.student_pattern or grader.DEFAULT_STUDENT_PATTERN,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Grade, print a line per submission (and each check for one), write the report(s)."""
+    """Grade, print a line per submission (and each check for one), write the report(s) and gradebook."""
     target = _check(args)
     from labkit.grading import grader, report
 
-    timeout_s = grader.DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
+    gradebook = Path(args.gradebook) if args.gradebook else None
+    options = _options(args, gradebook)
+    try:
+        roster = report.read_roster(Path(args.roster)) if args.roster else None
+    except (ValueError, OSError) as e:
+        raise UsageError(f"labkit grade: {str(e).splitlines()[0]}") from None
+    try:
+        deadline = report.parse_deadline(args.deadline) if args.deadline else None
+    except ValueError:
+        raise UsageError(
+            f"labkit grade: --deadline {args.deadline!r} is not an ISO date or time; write it like 2026-12-10T23:59"
+        ) from None
     if target.is_dir():
-        files = grader.submissions(target)
-        print(
-            f"grading {len(files)} submissions in {target} ({args.jobs} at a time, --timeout {timeout_s:g} s each)"
-        )
-        reports = grader.grade_folder(
-            target, Path(args.gradebook), timeout_s, args.jobs, progress=lambda s: print(s, flush=True)
-        )
-        graded = sum(r["status"] == "graded" for r in reports)
-        print(
-            f"{graded}/{len(reports)} graded; gradebook {args.gradebook}, reports in {grader.reports_dir(Path(args.gradebook))}"
-        )
-        return 0
-    out = Path(args.out) if args.out else grader.default_report_path(target)
-    result = grader.grade_submission(target, out, timeout_s)
+        return _grade_folder(target, gradebook, options, args, roster, deadline)
+    out = grader.report_target(gradebook, target) if gradebook else Path(args.out) if args.out else None
+    out = out or grader.default_report_path(target)
+    result = grader.grade_submission(target, out, options=options)
     print(f"{target.name}  {report.summary_line(result)}")
     if result["checks"]:
         print(report.format_checks(result))
+    evidence = f", executed notebook {result['executed_notebook']}" if "executed_notebook" in result else ""
+    print(f"report {out}, feedback {result['feedback_file']}{evidence}")
+    if gradebook is not None:
+        row = report.gradebook_rows([result], None, deadline)[0]
+        rows = report.update_gradebook(gradebook, row)
+        print(f"gradebook {gradebook}: the row of {target.name} updated")
+        _canvas(args, rows, roster, result.get("exercise"))
+    return 0
+
+
+def _grade_folder(target: Path, gradebook: Path, options, args, roster, deadline) -> int:
+    from labkit.grading import grader, report
+
+    files = grader.submissions(target)
+    print(f"grading {len(files)} submissions in {target} ({args.jobs} at a time, seed {options.class_seed}, "
+          f"--timeout {options.timeout_s:g} s for each notebook run)")  # fmt: skip
+    reports = grader.grade_folder(target, gradebook, None, args.jobs, lambda s: print(s, flush=True), options,
+                                  roster, deadline)  # fmt: skip
+    graded = sum(r["status"] == "graded" for r in reports)
+    exercise_ids = sorted({r["exercise"] for r in reports if r["exercise"]})
     print(
-        f"report {out}"
-        + (f", executed notebook {result['executed_notebook']}" if "executed_notebook" in result else "")
+        f"{graded}/{len(reports)} graded; gradebook {gradebook}, reports in {grader.reports_dir(gradebook)}"
+    )
+    if len(exercise_ids) > 1 and options.exercise is None:
+        print(f"this folder holds {len(exercise_ids)} exercises ({', '.join(exercise_ids)}); pass --exercise ID "
+              "to grade it as one exercise's folder, with the others flagged")  # fmt: skip
+    if reports and "containment" in reports[0]:
+        print("contained by: " + "; ".join(f"{k}: {v}" for k, v in reports[0]["containment"].items()))
+    _canvas(
+        args, report.read_gradebook(gradebook), roster, exercise_ids[0] if len(exercise_ids) == 1 else None
     )
     return 0
+
+
+def _canvas(args, rows, roster, exercise_id: str | None) -> None:
+    if not args.canvas:
+        return
+    from labkit.grading import report
+    from labkit.grading.checks import load
+
+    title = args.canvas_assignment or (load(exercise_id).title if exercise_id else "labkit exercise")
+    report.write_canvas([r for r in rows if r.get("student")], roster, Path(args.canvas), title)
+    print(f"Canvas grade import {args.canvas} (assignment column {title!r})")
