@@ -335,6 +335,12 @@ def _judge(sub: _Submission, exercise: Exercise, data: dict, probed: sandbox.Out
             sub.extra["limits_hit"].append(
                 {"where": f"check {name!r}", "limit": "memory", "what": seen["error"]}
             )
+        if str(seen.get("error", "")).startswith("BlockingIOError") and sub.options.limits.max_processes:
+            limit = sub.options.limits.max_processes
+            seen["error"] = f"{seen['error']} (a new process past the --max-processes of {limit})"
+            sub.extra["limits_hit"].append(
+                {"where": f"check {name!r}", "limit": "processes", "what": seen["error"]}
+            )
     checks = judge_all(exercise, observations, seed, notes, flags)
     sub.extra["timings_s"]["judge"] = round(time.monotonic() - judged, 3)
     return sub.finish("graded", [*checks, lock_entry], "", exercise.id)
