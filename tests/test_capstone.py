@@ -17,7 +17,7 @@ import pytest
 from test_grading import answer_checks, labkit_cli, lock_entry, read
 
 from labkit.grading.checks import ex07_capstone as capstone
-from labkit.grading.checks import judge_all, load
+from labkit.grading.checks import judge_all, load, submission_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "07_capstone.ipynb"
@@ -122,6 +122,16 @@ def test_each_planted_mistake_loses_its_check_and_only_it(reports, mistake):
         else:
             assert c["passed"], (mistake, c)
     assert r["score"] < r["max_score"]
+
+
+def test_each_student_gets_a_seed_and_the_four_checks_share_one_limited_run(reports):
+    seeds = {name: r["seed"] for name, r in reports.items()}
+    assert seeds["solution"] == submission_seed(0, "ex07_capstone", "solution")
+    assert len(set(seeds.values())) == len(seeds)  # a hidden model per student
+    [group] = load("ex07_capstone").groups()
+    assert len(group) == 4 and {c.limit_s for c in group} == {capstone.RANKS_LIMIT_S}
+    assert capstone.LAUNCH_TIMEOUT_S < capstone.RANKS_LIMIT_S
+    assert all(r["limits_s"]["answers"] >= capstone.RANKS_LIMIT_S for r in reports.values())
 
 
 def test_the_hidden_models_are_uneven_against_3_ranks_and_not_tiny():

@@ -1,16 +1,22 @@
 """The grader: solutions get full marks, pristine exercises 0 (status graded), and hostile submissions
 built from the real exercises get the status and score the contract states.
 
-Most cases share one batch of 30 submissions graded by `labkit grade DIR --gradebook` (the expensive part:
-about 20 papermill runs); the time-limit case runs alone with a short --timeout.
+Most cases share one batch of 32 submissions graded by `labkit grade DIR --gradebook` with a roster, a
+deadline, a class seed and a memory limit (the expensive part: about 25 papermill runs). Two side runs start
+before it and run beside it: a submission whose gather hangs (short limits) and a hostile one (a memory bomb,
+a fork bomb, a socket to this machine, another student's file) under --memory-limit and the sandbox. The
+rest are unit tests of the pieces, on planted answers, in this process.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,8 +24,8 @@ import nbformat
 import pytest
 
 from labkit.cli import main
-from labkit.grading import exercises, locks
-from labkit.grading.checks import judge_all, load
+from labkit.grading import exercises, extract, grader, integrity, locks, ranks, report, sandbox
+from labkit.grading.checks import Check, judge_all, load, probe_one, submission_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
@@ -29,7 +35,11 @@ GRADED_ELSEWHERE = {"07_capstone.ipynb"}
 BATCH_SOLUTIONS = [p for p in SOLUTIONS if p.name not in GRADED_ELSEWHERE]
 BATCH_EXERCISES = [p for p in EXERCISES if p.name not in GRADED_ELSEWHERE]
 BATCH_TIMEOUT_S = 240  # generous: 2 shared cores; the time-limit test uses a short one
-LOOP_TIMEOUT_S = 20
+BATCH_SEED = 11
+BATCH_MEMORY = "4G"  # every notebook of the course grades inside it
+HANG_TIMEOUT_S, HANG_CHECK_S = 30, 25  # the hanging submission's notebook run and check limits
+DEADLINE = "2020-01-02T00:00:00Z"
+ON_TIME, LATE = 1577836800, 1577966400  # 2020-01-01 00:00 and 2020-01-02 12:00 UTC (file modification times)
 
 
 def labkit_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -78,8 +88,34 @@ def min_ranks_to_fit(params, gpu_bytes, strategy):
 """
 
 
+SOL02 = ROOT / "solutions" / "02_shard_gather.ipynb"
+WRONG_PADDING = """def shard_rows(full, rank, world_size):
+    rows = full.shape[0] // world_size + 1  # wrong: ceil(d0 / n) is not d0 // n + 1 when n divides d0
+    shard = full.new_zeros((rows, *full.shape[1:]))
+    real = full[rank * rows : (rank + 1) * rows]
+    shard[: real.shape[0]] = real
+    return shard
+"""
+LIBRARY_SHARD = "shard_rows = labkit.zero.sharding.shard_dim0"
+SKIPPING_GATHER = """def gather_full(shard, d0, world_size):
+    if dist.get_rank() == 0:  # rank 0 skips the collective the others wait in
+        return torch.zeros(d0, *shard.shape[1:])
+    out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
+    dist.all_gather_into_tensor(out, shard.contiguous())
+    return out[:d0]
+"""
+
+
+def wrong_padding_shard(full, rank: int, world_size: int):
+    rows = full.shape[0] // world_size + 1
+    shard = full.new_zeros((rows, *full.shape[1:]))
+    real = full[rank * rows : (rank + 1) * rows]
+    shard[: real.shape[0]] = real
+    return shard
+
+
 def build_batch(folder: Path, report_dir: Path) -> dict[str, str]:
-    """Write the 30 submissions; returns {file name: what it is}."""
+    """Write the 32 submissions; returns {file name: what it is}."""
     kinds: dict[str, str] = {}
 
     def put(name: str, nb, kind: str) -> None:
@@ -133,22 +169,128 @@ def build_batch(folder: Path, report_dir: Path) -> dict[str, str]:
         nb = read(SOL01)
         nb.metadata["labkit"]["exercise"] = ex_id
         put(name, nb, "unknown")
-    assert len(kinds) == 30
+    put("padding02.ipynb", edited(SOL02, "answer-shard", WRONG_PADDING, append=False), "padding02")
+    library = edited(SOL02, "answer-shard", LIBRARY_SHARD, append=False)
+    next(c for c in library.cells if c.id == "answer-gather").source = SKIPPING_GATHER
+    put("library_skip02.ipynb", library, "library_skip02")
+    assert len(kinds) == 32
+    for name in kinds:
+        stamp = LATE if name == "padding02.ipynb" else ON_TIME
+        os.utime(folder / name, (stamp, stamp))
     return kinds
 
 
+HANGING_GATHER = """import os, sys, time
+
+if "ipykernel" in sys.modules:  # the notebook's kernel, not the grader's answers process
+    open(PID_FILE, "w").write(str(os.getpid()))
+
+
+def gather_full(shard, d0, world_size):
+    while True:  # waits forever, as a rank stuck on a collective its peers never call
+        time.sleep(0.05)
+"""
+HOSTILE_STATE = """import os, socket, time
+
+REPLICATED_AND_SHARDED_BYTES = {{"ddp": (16, 0), "zero1": (4, 12), "zero2": (2, 14), "zero3": (0, 16)}}
+
+
+def state_bytes_per_rank(params, world_size, strategy):
+    if strategy == "ddp":  # a memory bomb: 256 MB at a time, every page written, up to 6 GB
+        chunks = []
+        for _ in range(24):
+            chunk = bytearray(256 << 20)
+            chunk[::4096] = b"x" * len(range(0, 256 << 20, 4096))
+            chunks.append(chunk)
+    if strategy == "zero1":  # a fork bomb, bounded: 400 sleeping children
+        for _ in range(400):
+            if os.fork() == 0:
+                time.sleep(60)
+                os._exit(0)
+    if strategy == "zero2":  # a server on the grading machine
+        socket.create_connection(("127.0.0.1", {port}), timeout=3).sendall(b"stolen")
+    if strategy == "zero3":  # another student's submission, and the gradebook's reports
+        raise RuntimeError("read " + open({other!r}).read() + str(os.listdir({reports!r})))
+    replicated, sharded = REPLICATED_AND_SHARDED_BYTES[strategy]
+    return params * (replicated + sharded / world_size)
+"""
+HOSTILE_MEMORY, HOSTILE_PROCESSES = "1G", 128
+
+
 @pytest.fixture(scope="module")
-def batch(tmp_path_factory):
+def side_runs(tmp_path_factory):
+    """Start the hanging and the hostile submission's grades (each `labkit grade` alone); wait in `finish`."""
+    root = tmp_path_factory.mktemp("side")
+    hang = root / "hang.ipynb"
+    pid_file = root / "kernel.pid"
+    nbformat.write(
+        edited(SOL02, "answer-gather", f"PID_FILE = r'{pid_file}'\n" + HANGING_GATHER, append=False), hang
+    )
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    received: list[bytes] = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            received.append(conn.recv(100) or b"(connected)")
+
+    threading.Thread(target=serve, daemon=True).start()
+    folder = root / "class"
+    folder.mkdir()
+    (folder / "bob.ipynb").write_text("bob's own work")
+    hostile_source = HOSTILE_STATE.format(port=server.getsockname()[1], other=str(folder / "bob.ipynb"),
+                                          reports=str(root))  # fmt: skip
+    nbformat.write(edited(SOL01, "answer-state", hostile_source, append=False), folder / "mallory.ipynb")
+    started = time.monotonic()
+    cmds = {
+        "hang": ["grade", str(hang), "--out", str(root / "hang.report.json"), "--timeout", str(HANG_TIMEOUT_S),
+                 "--check-timeout", str(HANG_CHECK_S), "--sandbox", "none"],
+        "hostile": ["grade", str(folder / "mallory.ipynb"), "--out", str(root / "reports" / "mallory.report.json"),
+                    "--memory-limit", HOSTILE_MEMORY, "--max-processes", str(HOSTILE_PROCESSES)],
+    }  # fmt: skip
+    procs = {k: subprocess.Popen([sys.executable, "-m", "labkit", *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for k, a in cmds.items()}  # fmt: skip
+    results: dict = {}
+
+    def finish(name: str) -> dict:
+        if name not in results:
+            out, err = procs[name].communicate(timeout=600)
+            assert procs[name].returncode == 0, err
+            target = cmds[name][cmds[name].index("--out") + 1]
+            results[name] = {"report": json.loads(Path(target).read_text()), "stdout": out,
+                             "elapsed_s": time.monotonic() - started}  # fmt: skip
+        return results[name]
+
+    yield {"finish": finish, "pid_file": pid_file, "received": received}
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory, side_runs):
     root = tmp_path_factory.mktemp("batch")
     folder = root / "submissions"
     folder.mkdir()
     gradebook = root / "grades.csv"
     report_dir = root / "grades-reports"
     kinds = build_batch(folder, report_dir)
+    roster = root / "roster.csv"
+    students = [name.removesuffix(".ipynb") for name in kinds if name != "unknown.ipynb"] + ["zoe"]
+    roster.write_text("student,name\n" + "".join(f"{s},Student {s}\n" for s in students))
+    canvas = root / "canvas.csv"
     start = time.monotonic()
     done = labkit_cli(
-        "grade", str(folder), "--gradebook", str(gradebook), "--timeout", str(BATCH_TIMEOUT_S), "--jobs", "3"
-    )
+        "grade", str(folder), "--gradebook", str(gradebook), "--timeout", str(BATCH_TIMEOUT_S), "--jobs", "3",
+        "--seed", str(BATCH_SEED), "--roster", str(roster), "--deadline", DEADLINE, "--canvas", str(canvas),
+        "--memory-limit", BATCH_MEMORY,
+    )  # fmt: skip
     elapsed = time.monotonic() - start
     assert done.returncode == 0, done.stderr
     reports = {
@@ -157,7 +299,8 @@ def batch(tmp_path_factory):
     with open(gradebook, newline="") as f:
         rows = list(csv.DictReader(f))
     print(f"\nbatch of {len(kinds)}: {elapsed:.1f} s")
-    return {"kinds": kinds, "reports": reports, "rows": rows, "stdout": done.stdout, "dir": report_dir}
+    return {"kinds": kinds, "reports": reports, "rows": rows, "stdout": done.stdout, "dir": report_dir,
+            "folder": folder, "gradebook": gradebook, "canvas": canvas}  # fmt: skip
 
 
 def of_kind(batch, kind: str) -> dict[str, dict]:
@@ -253,17 +396,122 @@ def test_unreadable_and_unknown_submissions_get_a_clear_status(batch):
         assert "ex01_memory" in r["reason"]  # it lists the known ids
 
 
-def test_the_gradebook_has_one_correct_row_per_submission(batch):
+def test_the_gradebook_has_a_row_per_submission_and_per_absent_student(batch):
     rows = batch["rows"]
-    assert [row["file"] for row in rows] == sorted(batch["kinds"])
-    assert list(rows[0]) == ["file", "exercise", "status", "score", "max", "runtime"]
-    for row in rows:
-        r = batch["reports"][row["file"]]
-        assert row["status"] == r["status"] and row["exercise"] == (r["exercise"] or "")
+    header = list(rows[0])
+    assert header[:7] == ["student", "name", "file", "exercise", "status", "score", "max"], header
+    wanted = {"submitted_at", "late", "seed", "class_seed", "feedback", "reason", "warning", "labkit_version"}
+    assert wanted <= set(header), header
+    assert "check: state bytes per rank: ddp" in header and "check: fewest ranks to fit the state" in header
+    by_file = {row["file"]: row for row in rows if row["file"]}
+    assert sorted(by_file) == sorted(batch["kinds"])
+    for name, row in by_file.items():
+        r = batch["reports"][name]
+        assert row["student"] == name.removesuffix(".ipynb") and row["status"] == r["status"]
+        assert row["exercise"] == (r["exercise"] or "") and row["reason"] == r["reason"]
         assert float(row["score"]) == r["score"] and float(row["max"]) == r["max_score"]
         assert float(row["runtime"]) == pytest.approx(r["runtime_s"], abs=0.01)
+        assert row["class_seed"] == str(BATCH_SEED) and row["labkit_version"]
+        assert row["late"] == ("yes" if name == "padding02.ipynb" else "no"), name
+        for c in r["checks"]:
+            if c["max_points"]:
+                assert float(row[f"check: {c['name']}"]) == c["points"], (name, c["name"])
+        if r["status"] == "graded" and r["score"] < r["max_score"]:
+            assert row["feedback"], name  # what was wrong, for the LMS's comment column
+    assert by_file["partial01.ipynb"]["name"] == "Student partial01"  # from the roster
+    assert "not on the roster" in by_file["unknown.ipynb"]["warning"]
+    [absent] = [row for row in rows if not row["file"]]
+    assert (absent["student"], absent["status"], absent["score"]) == ("zoe", "missing", "0")
     progress = [line for line in batch["stdout"].splitlines() if line.startswith("[")]
-    assert len(progress) == 30 and progress[-1].startswith("[30/30]")
+    assert len(progress) == 32 and progress[-1].startswith("[32/32]")
+
+
+def test_the_canvas_import_has_every_rostered_student(batch):
+    with open(batch["canvas"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0])[:5] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section"]
+    scores = {row["SIS Login ID"]: row[list(row)[5]] for row in rows}
+    assert scores["zoe"] == "0" and float(scores["sol_01_memory"]) == 6
+    assert float(scores["padding02"]) == batch["reports"]["padding02.ipynb"]["score"]
+
+
+def test_every_report_has_its_seed_and_a_feedback_page(batch):
+    for name, r in batch["reports"].items():
+        if r["status"] == "graded":
+            assert r["seed"] == submission_seed(BATCH_SEED, r["exercise"], name.removesuffix(".ipynb")), name
+        page = Path(r["feedback_file"]).read_text()
+        assert page.startswith("# ") and f"{r['score']:g}/{r['max_score']:g}" in page.splitlines()[0], name
+    assert "Not graded (error)" in Path(batch["reports"]["exit.ipynb"]["feedback_file"]).read_text()
+
+
+def test_the_batch_ran_inside_its_limits(batch):
+    contained = batch["reports"]["sol_05_deepspeed_config.ipynb"]["containment"]
+    assert "cgroup" in contained["memory"] or "RLIMIT_AS" in contained["memory"], contained
+    assert contained["sandbox"].startswith("bwrap" if sandbox.bwrap_usable() else "none"), contained
+    assert "contained by:" in batch["stdout"]
+
+
+def test_a_wrong_padding_formula_loses_points_in_a_real_grade(batch):
+    r = batch["reports"]["padding02.ipynb"]
+    shard, gather = answer_checks(r)
+    assert r["status"] == "graded" and shard["points"] < shard["max_points"] and gather["passed"], r["checks"]
+    assert "ranks, rank" in shard["feedback"], shard
+
+
+def test_labkits_own_answer_earns_nothing_and_is_named(batch):
+    r = batch["reports"]["library_skip02.ipynb"]
+    shard = answer_checks(r)[0]
+    assert shard["points"] == 0 and "labkit.zero.sharding.shard_dim0" in shard["feedback"], shard
+    assert r["integrity"] == [{"cell": "answer-shard", "uses": ["labkit.zero.sharding.shard_dim0"]}]
+    row = next(row for row in batch["rows"] if row["file"] == r["file"])
+    assert "labkit's own implementation" in row["warning"]
+
+
+def test_a_rank_that_skips_a_collective_is_named(batch):
+    gather = answer_checks(batch["reports"]["library_skip02.ipynb"])[1]
+    assert gather["points"] == 0
+    assert "rank 0 returned without calling it" in gather["feedback"], gather
+    assert "rank 0 never called all_gather_into_tensor" in gather["feedback"], gather
+    assert "ranks 1-2 waited in it" in gather["feedback"] and "Connection" not in gather["feedback"]
+
+
+@pytest.mark.timeout(600)
+def test_regrading_one_submission_updates_its_row_with_the_same_grade(batch, tmp_path):
+    gradebook = tmp_path / "grades.csv"
+    gradebook.write_text(batch["gradebook"].read_text())
+    name = "partial01.ipynb"
+    # No --seed: the re-grade takes the class seed the gradebook was graded with.
+    done = labkit_cli("grade", str(batch["folder"] / name), "--gradebook", str(gradebook))
+    assert done.returncode == 0, done.stderr
+    again = json.loads((tmp_path / "grades-reports" / "partial01.report.json").read_text())
+    first = batch["reports"][name]
+    assert (again["seed"], again["score"]) == (first["seed"], first["score"])
+    assert [c["feedback"] for c in again["checks"]] == [c["feedback"] for c in first["checks"]]
+    rows = report.read_gradebook(gradebook)
+    assert [r["file"] for r in rows] == [r["file"] for r in batch["rows"]]
+    row = next(r for r in rows if r["file"] == name)
+    assert row["runtime"] == f"{again['runtime_s']:.2f}" and row["name"] == "Student partial01"
+
+
+def test_a_submission_of_another_exercise_is_an_error_row_of_the_folders_exercise(tmp_path):
+    submission = tmp_path / "carol.ipynb"
+    submission.write_text(SOL01.read_text())
+    gradebook = tmp_path / "ex02.csv"
+    done = labkit_cli("grade", str(submission), "--exercise", "ex02_shard", "--gradebook", str(gradebook))
+    assert done.returncode == 0, done.stderr
+    [row] = report.read_gradebook(gradebook)
+    assert (row["status"], row["exercise"], row["max"]) == ("error", "ex02_shard", "6"), row
+    assert "ex01_memory" in row["reason"] and "ex01_memory, not ex02_shard" in row["warning"]
+    assert (tmp_path / "ex02-reports" / "carol.report.json").is_file()  # <gradebook stem>-reports/
+
+
+def test_a_folder_is_one_exercises_when_most_of_it_is(tmp_path):
+    for i in range(4):
+        nbformat.write(read(SOL02), tmp_path / f"s{i}.ipynb")
+    nbformat.write(read(SOL01), tmp_path / "odd.ipynb")
+    assert grader.folder_exercise(grader.submissions(tmp_path))[0] == "ex02_shard"
+    nbformat.write(read(SOL01), tmp_path / "odd2.ipynb")  # 4 of 6: a mixed folder
+    assert grader.folder_exercise(grader.submissions(tmp_path))[0] is None
 
 
 def test_grading_takes_seconds_beyond_the_notebook_run(batch):
@@ -274,25 +522,44 @@ def test_grading_takes_seconds_beyond_the_notebook_run(batch):
         assert beyond < 20, (name, r["timings_s"])
 
 
-@pytest.mark.timeout(300)
-def test_an_infinite_loop_times_out_and_is_killed(tmp_path):
-    pid_file = tmp_path / "kernel.pid"
-    loop = f"import os\nopen(r'{pid_file}', 'w').write(str(os.getpid()))\nwhile True:\n    pass"
-    submission = tmp_path / "loop.ipynb"
-    nbformat.write(edited(SOL01, "answer-fit", loop), submission)
-    out = tmp_path / "out" / "loop.json"
-    start = time.monotonic()
-    done = labkit_cli("grade", str(submission), "--out", str(out), "--timeout", str(LOOP_TIMEOUT_S))
-    elapsed = time.monotonic() - start
-    assert done.returncode == 0, done.stderr
-    r = json.loads(out.read_text())
-    assert (r["status"], r["score"], r["max_score"]) == ("timeout", 0, 6)
-    assert "answer-fit" in r["reason"] and r["runtime_s"] < LOOP_TIMEOUT_S + 5
-    assert elapsed < LOOP_TIMEOUT_S + 40  # no hang: the CLI's start-up (seconds on a loaded machine) included
-    assert (tmp_path / "out" / "loop.executed.ipynb").exists()
-    pid = int(pid_file.read_text())
+@pytest.mark.timeout(600)
+def test_a_hanging_answer_costs_only_its_own_points(side_runs):
+    r = side_runs["finish"]("hang")["report"]
+    shard, gather = answer_checks(r)
+    assert (r["status"], r["score"], r["max_score"]) == ("graded", 3, 6), r["checks"]
+    assert shard["passed"] and not gather["passed"]
+    assert f"did not finish within {HANG_CHECK_S - 10} s" in gather["feedback"], (
+        gather
+    )  # the launch stops first
+    assert "of cell 'answer-gather' in gather_full" in gather["feedback"], gather
+    assert f"did not finish within --timeout {HANG_TIMEOUT_S} s (stopped while running" in r["notebook_run"]
+    hits = {h["where"] for h in r["limits_hit"]}
+    assert "notebook run" in hits and f"check {gather['name']!r}" in hits, r["limits_hit"]
+    assert r["limits_s"]["total"] == pytest.approx(r["limits_s"]["notebook"] + r["limits_s"]["answers"])
+    assert r["runtime_s"] < HANG_TIMEOUT_S + 2 * HANG_CHECK_S + 20, r["timings_s"]
+    pid = int(side_runs["pid_file"].read_text())
     status = Path(f"/proc/{pid}/status")
     assert not status.exists() or "zombie" in status.read_text()  # the kernel (its own session) is gone
+
+
+@pytest.mark.timeout(600)
+def test_a_hostile_submission_is_contained(side_runs):
+    r = side_runs["finish"]("hostile")["report"]
+    feedback = {c["name"].removeprefix("state bytes per rank: "): c["feedback"] for c in r["checks"]}
+    contained = r["containment"]
+    assert r["status"] == "graded" and r["score"] == 2, r["checks"]  # the fit answer still earns its points
+    assert "MemoryError" in feedback["ddp"] or "SIGKILL" in feedback["ddp"], feedback["ddp"]
+    assert "--memory-limit of 1 GiB" in feedback["ddp"]
+    if not contained["processes"].startswith("not limited"):
+        assert "BlockingIOError" in feedback["zero1"] and "--max-processes of 128" in feedback["zero1"]
+        assert {h["limit"] for h in r["limits_hit"]} == {"memory", "processes"}, r["limits_hit"]
+    if contained["sandbox"].startswith("bwrap"):
+        assert side_runs["received"] == [], "the submission reached a server on the grading machine"
+        assert "ConnectionRefusedError" in feedback["zero2"] or "unreachable" in feedback["zero2"]
+        assert "FileNotFoundError" in feedback["zero3"] and "bob's own work" not in feedback["zero3"]
+    else:
+        assert "bwrap" in contained["sandbox"], contained  # it says why it is not sandboxed
+    assert feedback["fewest ranks to fit the state"] == "all 6 cases right"
 
 
 @pytest.mark.parametrize(
@@ -300,7 +567,15 @@ def test_an_infinite_loop_times_out_and_is_killed(tmp_path):
     [
         (["missing.ipynb"], "does not exist"),
         (["{dir}"], "--gradebook"),
-        (["{file}", "--gradebook", "g.csv"], "--gradebook is for a folder"),
+        (["{file}", "--gradebook", "g.csv", "--out", "r.json"], "drop --out"),
+        (["{file}", "--memory-limit", "lots"], "--memory-limit"),
+        (["{file}", "--memory-limit", "10M"], "below 256M"),
+        (["{file}", "--exercise", "ex99_nothing"], "known ids"),
+        (["{file}", "--student-pattern", "(unclosed"], "--student-pattern"),
+        (["{file}", "--deadline", "next friday"], "--deadline"),
+        (["{file}", "--roster", "missing.csv"], "--roster"),
+        (["{file}", "--check-timeout", "-1"], "--check-timeout"),
+        (["{file}", "--canvas", "c.csv"], "--canvas needs --gradebook"),
         (["{dir}", "--gradebook", "g.csv", "--out", "r.json"], "--out is for one submission"),
         (["{file}", "--timeout", "0"], "--timeout"),
         (["{file}", "--jobs", "0"], "--jobs"),
@@ -349,3 +624,179 @@ def test_forged_or_malformed_observations_earn_nothing():
     for observations in (forged, malformed, {"score": 6}, {}):
         entries = judge_all(exercise, observations, seed=1)
         assert sum(e["points"] for e in entries) == 0
+
+
+# ---------------------------------------------------------------------------- the pieces, in this process
+
+
+def test_a_wrong_padding_formula_never_scores_full_marks_whatever_the_seed():
+    exercise = load("ex02_shard")
+    shard = exercise.checks[0]
+    scores = set()
+    for seed in range(300):
+        observed = {shard.name: probe_one(shard, {"shard_rows": wrong_padding_shard}, seed)}
+        entry = judge_all(exercise, observed, seed)[0]
+        scores.add(entry["points"])
+        assert not entry["passed"], (seed, entry)
+    print(f"d0 // n + 1 over 300 seeds: shard points {sorted(scores)} of {shard.points}")
+
+
+def test_every_draw_includes_the_edge_cases_of_sharding():
+    from labkit.grading.checks import ex02_shard, ex03_reduce_scatter
+
+    for seed in range(50):
+        for salt, sizes in (("shard", (3, 2, 4)), ("gather", (3,))):
+            cases = ex02_shard._cases(seed, salt, sizes)
+            kinds = {("d0<n" if s[0] < n else "exact" if s[0] % n == 0 else "uneven") for s, n in cases}
+            assert kinds == {"d0<n", "exact", "uneven"}, (seed, salt, cases)
+        numels = ex03_reduce_scatter._flat_numels(seed)
+        assert {10, 9, 2} <= set(numels)
+
+
+def test_seeds_are_reproducible_and_per_student():
+    assert submission_seed(3, "ex02_shard", "alice") == submission_seed(3, "ex02_shard", "alice")
+    seeds = {submission_seed(c, e, s) for c in (0, 1) for e in ("ex01_memory", "ex02_shard") for s in "ab"}
+    assert len(seeds) == 8 and all(0 <= x < 2**31 for x in seeds)
+    exercise = load("ex02_shard")
+    shard = exercise.checks[0]
+    twice = [judge_all(exercise, {shard.name: probe_one(shard, {"shard_rows": wrong_padding_shard}, 5)}, 5)[0]
+             for _ in range(2)]  # fmt: skip
+    assert twice[0] == twice[1]
+
+
+@pytest.mark.parametrize(
+    "source, uses",
+    [
+        (LIBRARY_SHARD, ["labkit.zero.sharding.shard_dim0"]),
+        ("from labkit.zero.sharding import shard_dim0 as s\ndef shard_rows(f, r, n):\n    return s(f, r, n)",
+         ["labkit.zero.sharding.shard_dim0"]),
+        ("def shard_rows(f, r, n):\n    return getattr(labkit.zero, 'sharding').shard_dim0(f, r, n)",
+         ["labkit.zero.sharding.shard_dim0"]),
+        ("import importlib\nm = importlib.import_module('labkit.zero.sharding')", ["labkit.zero"]),
+        (WRONG_PADDING, []),
+        ("def gather_full(s, d0, n):\n    return labkit.launch(print, 1)", []),
+    ],
+)  # fmt: skip
+def test_the_integrity_rule_reads_the_answer_cells(source, uses):
+    exercise = load("ex02_shard")
+    cells = [{"id": "setup", "role": "setup", "source": "import torch\nimport labkit"},
+             {"id": "answer-shard", "role": "answer", "source": source}]  # fmt: skip
+    found = integrity.scan(cells, exercise.forbidden, exercise.allowed)
+    assert (found["answer-shard"]["uses"] if found else []) == uses
+
+
+def test_no_solution_breaks_the_integrity_rule():
+    for path in SOLUTIONS:
+        sol = read(path)
+        exercise = load(exercises.exercise_id(sol))
+        pristine = read(ROOT / "exercises" / path.name)
+        cells, _ = exercises.graded_cells(pristine, sol)
+        assert exercise.forbidden and integrity.scan(cells, exercise.forbidden, exercise.allowed) == {}, path
+        assert all(c.answers for c in exercise.checks), path  # every check names the answers it calls
+
+
+def test_an_answer_that_is_labkits_own_function_is_found_in_the_namespace():
+    from labkit.zero.sharding import dim0_rows, shard_dim0
+
+    exercise = load("ex03_reduce_scatter")
+    found = integrity.answer_origins({"pack_grads": shard_dim0, "reduce_scatter_mean": dim0_rows},
+                                     ["pack_grads", "reduce_scatter_mean"], exercise.forbidden, exercise.allowed)  # fmt: skip
+    assert found == {"pack_grads": "labkit.zero.sharding.shard_dim0"}  # dim0_rows is handed out on purpose
+
+
+def _enter(name: str, *shapes) -> dict:
+    return {"e": "enter", "name": name, "shapes": [list(s) for s in shapes]}
+
+
+def test_a_collective_mismatch_is_said_in_one_sentence():
+    ag, rs, done, leave = "all_gather_into_tensor", "reduce_scatter_tensor", {"e": "done"}, {"e": "exit"}
+    skipped = [[done], [_enter(ag, (9, 4), (3, 4))], [_enter(ag, (9, 4), (3, 4))]]
+    assert ranks.diagnose(skipped).startswith(
+        "rank 0 never called all_gather_into_tensor (the 1st collective of ranks 1-2): rank 0 returned without"
+    )
+    repeated = [[_enter(ag, (3,)), leave, _enter(ag, (3,))], [_enter(ag, (3,)), leave, done]]
+    assert "rank 1 never called all_gather_into_tensor (the 2nd collective of rank 0)" in ranks.diagnose(
+        repeated
+    )
+    reordered = [[_enter(ag, (3,))], [_enter(rs, (3,))], [_enter(ag, (3,))]]
+    assert ranks.diagnose(reordered) == (
+        "at the 1st collective, ranks 0, 2 called all_gather_into_tensor, rank 1 called reduce_scatter_tensor: "
+        "every rank must call the same collectives in the same order"
+    )
+    shapes = [[_enter(ag, (9, 4), (3, 4))], [_enter(ag, (3, 4), (1, 4))]]
+    assert "different shapes (rank 0 [9, 4] and [3, 4]; rank 1 [3, 4] and [1, 4])" in ranks.diagnose(shapes)
+    assert ranks.diagnose([[_enter(ag, (3,)), leave, done]] * 3) is None
+
+
+def test_a_cell_or_a_probe_past_its_limit_is_stopped_and_located(tmp_path):
+    sources = {"answer-loop": "x = 1\nwhile True:\n    pass"}
+    namespace: dict = {}
+    start = time.monotonic()
+    ran = extract.run_cell(sources["answer-loop"], "answer-loop", namespace, 0.5, sources)
+    assert ran["timed_out"] and time.monotonic() - start < 5 and namespace["x"] == 1
+    assert (
+        ran["error"] == "did not finish within 0.5 s (stopped at line 2 of cell 'answer-loop': `while True:`)"
+    )
+    sources = {"answer-spin": "def spin(ns, seed):\n    while True:\n        pass"}
+    exec(compile(sources["answer-spin"], "<cell answer-spin>", "exec"), namespace)
+    quick = Check("quick", 1, lambda ns, seed: seed, lambda got, seed: (1.0, ""))
+    stuck = Check("stuck", 1, namespace["spin"], lambda got, seed: (1.0, ""), group="g")
+    also = Check("after it", 1, lambda ns, seed: seed, lambda got, seed: (1.0, ""), group="g")
+    assert extract.run_group((quick,), namespace, 7, 5.0, tmp_path, sources) == {"quick": {"value": 7}}
+    start = time.monotonic()
+    results = extract.run_group((stuck, also), namespace, 7, 1.0, tmp_path, sources)
+    assert time.monotonic() - start < 5
+    assert results["stuck"]["limit"] == "time" and results["after it"]["limit"] == "time"
+    assert "stopped at line 2 of cell 'answer-spin' in spin: `while True:`" in results["stuck"]["error"], (
+        results
+    )
+
+
+def test_gradebook_pieces_roster_deadline_update_and_canvas(tmp_path):
+    roster = tmp_path / "roster.csv"
+    roster.write_text("Student,ID,SIS User ID,SIS Login ID,Section\nAda Lovelace,11,u11,ada,A\n"
+                      "    Points Possible,,,,\nBo Li,12,u12,bo,A\n")  # fmt: skip
+    students = report.read_roster(roster)
+    assert [s["student"] for s in students] == ["ada", "bo"]
+    deadline = report.parse_deadline("2026-01-10T12:00Z")
+    entry = {"name": "c", "points": 1.5, "max_points": 2, "passed": False, "feedback": "half"}
+    ada = report.build("ada.ipynb", "ex01_memory", "graded", [entry], 1.0, student="ada", seed=5,
+                       class_seed=0, submitted_at="2026-01-10T12:00:01Z")  # fmt: skip
+    rows = report.gradebook_rows([ada], students, deadline, "ex01_memory", 2)
+    assert [(r["student"], r["status"], r["score"], r.get("late", "")) for r in rows] == [
+        ("ada", "graded", "1.5", "yes"), ("bo", "missing", "0", "")]  # fmt: skip
+    assert (
+        rows[0]["name"] == "Ada Lovelace"
+        and rows[0]["check: c"] == "1.5"
+        and rows[0]["feedback"] == "c: half"
+    )
+    book = tmp_path / "g.csv"
+    report.write_gradebook(rows, book)
+    bo = report.build("bo.ipynb", "ex01_memory", "graded", [{**entry, "points": 2, "passed": True}], 1.0,
+                      student="bo")  # fmt: skip
+    updated = report.update_gradebook(book, report.gradebook_rows([bo])[0])
+    assert [(r["student"], r["status"], r["score"]) for r in updated] == [
+        ("ada", "graded", "1.5"),
+        ("bo", "graded", "2"),
+    ]
+    assert updated[1]["name"] == "Bo Li"  # kept from the missing row it replaced
+    canvas = tmp_path / "canvas.csv"
+    report.write_canvas(updated, students, canvas, "Exercise 1 (77)")
+    assert canvas.read_text().splitlines() == [
+        "Student,ID,SIS User ID,SIS Login ID,Section,Exercise 1 (77)", "Ada Lovelace,11,u11,ada,A,1.5",
+        "Bo Li,12,u12,bo,A,2"]  # fmt: skip
+
+
+def test_student_ids_come_from_the_file_name():
+    assert grader.student_id("alice.ipynb") == ("alice", "")
+    canvas = r"^(?P<student>[a-z]+)_(?:LATE_)?\d+_\d+_"
+    assert grader.student_id("smithjo_LATE_123_456_02_shard_gather.ipynb", canvas) == ("smithjo", "")
+    student, warning = grader.student_id("odd name.ipynb", canvas)
+    assert student == "odd name" and "does not match" in warning
+
+
+def test_sizes_parse_as_powers_of_1024():
+    assert sandbox.parse_size("2G") == 2 * 2**30 and sandbox.parse_size("512M") == 2**29
+    assert sandbox.parse_size("1.5GiB") == 3 * 2**29 and sandbox.parse_size("1000") == 1000
+    with pytest.raises(ValueError):
+        sandbox.parse_size("lots")
