@@ -125,3 +125,18 @@ def test_the_library_refuses_the_same_requests_in_one_sentence(monkeypatch):
     monkeypatch.setattr(loop, "engine_module_name", lambda name: f"labkit.engines.not_written_{name}")
     with pytest.raises(loop.EngineUnavailable, match="engine 'ddp' is not implemented yet"):
         loop.run("ddp", RunConfig())
+
+
+def test_each_engine_gets_the_options_it_honours_and_an_option_none_honours_is_refused():
+    from labkit.engines.loop import options_for, validate
+
+    cfg = RunConfig(world_size=4, options={"hsdp_shard_size": 2, "zero_hpz_partition_size": 2})
+    validate(["fsdp2", "deepspeed"], cfg)  # each honours one of the two: the comparison runs
+    assert options_for("fsdp2", cfg).options == {"hsdp_shard_size": 2}
+    assert options_for("deepspeed", cfg).options == {"zero_hpz_partition_size": 2}
+    assert options_for("ddp", cfg).options == {}
+    for engines, flag in ((["ddp"], "hsdp_shard_size"), (["single", "fsdp2"], "zero_hpz_partition_size")):
+        with pytest.raises(ValueError, match=rf"options \['{flag}'\]: no engine of this run .* would be ignored"):
+            validate(engines, RunConfig(world_size=4, options={flag: 2}))
+    with pytest.raises(ValueError, match="activation_checkpointing=True: the deepspeed engine refuses it"):
+        validate(["deepspeed"], RunConfig(options={"activation_checkpointing": True}))  # in the parent now

@@ -22,6 +22,7 @@ from labkit.engines.base import RankInfo, RunConfig
 from labkit.engines.single import SingleEngine, state_tensors
 
 NAME = "ddp"
+OPTIONS = ("activation_checkpointing",)  # the cfg.options keys it honours
 
 
 class DdpEngine(SingleEngine):

@@ -50,6 +50,10 @@ ACTIVATION_CHECKPOINTING_REFUSAL = (
     "config without touching the model'; run it on the scratch or fsdp2 engine"
 )
 
+# The cfg.options keys the deepspeed engine reads (`ds_config`'s docstring says what each does);
+# activation_checkpointing is read to be refused with its own sentence.
+OPTIONS = (*ZERO_PLUS_PLUS_FLAGS, "ds_mode", "offload_param", "nvme_path", "zero_overrides", "comms_logger",
+           "z3_leaf_blocks", "activation_checkpointing")  # fmt: skip
 MODES = ("fair", "defaults")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
@@ -180,6 +184,11 @@ def hpz_node_size(world_size: int) -> int:
     from labkit.cluster import ranks_per_node
 
     return ranks_per_node(world_size)
+
+
+def check_run(cfg: RunConfig) -> None:
+    """What the deepspeed engine cannot run, refused in the parent: the config's own checks."""
+    ds_config(cfg, cfg.world_size)
 
 
 def ds_config(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, Any]:

@@ -50,6 +50,12 @@ from labkit.engines import activation_checkpointing
 from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 
 NAME = "fsdp2"
+OPTIONS = (
+    "hsdp_shard_size",
+    "prefetch_depth",
+    "reshard_after_forward",
+    "activation_checkpointing",
+)  # the cfg.options keys it honours
 
 
 def shard_kwargs(cfg: RunConfig, mesh: DeviceMesh) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -112,10 +113,51 @@ def validate(engines: Sequence[str], cfg: RunConfig) -> None:
         raise ValueError(
             f"link_gbytes={cfg.link_gbytes!r}: pass a bandwidth above 0 GB/s, or None for no link"
         )
-    if "fsdp1" in engines:  # FSDP1's own refusals (host offload on CPU, hpZ, ...) as one sentence here
-        importlib.import_module(engine_module_name("fsdp1")).check_run(cfg)
-    if "scratch" in engines:  # options it does not implement (hpZ, ...) are refused, not ignored
-        importlib.import_module(engine_module_name("scratch")).check_run(cfg)
+    check_options([e for e in engines if isinstance(e, str)], cfg)
+
+
+def check_options(engines: Sequence[str], cfg: RunConfig) -> None:
+    """Refuse, in the parent and in one sentence, an option that no engine of the run honours, and each
+    engine's own impossible settings (its `check_run`), so that no flag is accepted and then ignored.
+
+    Each engine is given only the options it honours (`options_for`), and its record says which; an option
+    that none of the engines honours is refused. The checks are read from each engine's light module
+    (`CHECKS`), so validating imports neither DeepSpeed nor FSDP1.
+    """
+    honoured: set[str] = set()
+    for name in engines:
+        checks = importlib.import_module(CHECKS.get(name, engine_module_name(name)))
+        honoured |= set(getattr(checks, "OPTIONS", ()))
+        if hasattr(checks, "check_run"):
+            checks.check_run(options_for(name, cfg))
+    unknown = sorted(set(cfg.options) - honoured)
+    if unknown:
+        owners = [
+            f"{k} is {' and '.join(e for e in ENGINES if k in engine_options(e)) or 'no engine'}'s"
+            for k in unknown
+        ]
+        raise ValueError(
+            f"options {unknown}: no engine of this run ({', '.join(engines)}) has such a setting, so it would "
+            f"be ignored; {'; '.join(owners)}"
+        )
+
+
+# Where each engine's OPTIONS and check_run live, when not in the engine's own module (which imports a
+# library the parent should not load just to validate arguments).
+CHECKS = {"deepspeed": "labkit.engines.ds_config"}
+
+
+def engine_options(name: str) -> tuple[str, ...]:
+    """The `cfg.options` keys engine `name` honours (its module's, or its checks module's, OPTIONS)."""
+    return tuple(getattr(importlib.import_module(CHECKS.get(name, engine_module_name(name))), "OPTIONS", ()))
+
+
+def options_for(engine: str | EngineBuilder, cfg: RunConfig) -> RunConfig:
+    """`cfg` with only the options `engine` honours (an engine object gets them all)."""
+    if not isinstance(engine, str):
+        return cfg
+    keep = engine_options(engine)
+    return replace(cfg, options={k: v for k, v in cfg.options.items() if k in keep})
 
 
 # ------------------------------------------------------------------------------------------------ rank
@@ -173,6 +215,7 @@ def train_rank(engine: str | EngineBuilder, cfg: RunConfig) -> dict[str, Any]:
     enter the step times or the timeline. That step trains too; nothing of it is reported but the peak.
     """
     info = rank_info()
+    cfg = options_for(engine, cfg)  # each engine sees the options it honours; its record says which
     # DeepSpeed still calls torch.distributed's deprecated collective names; that is not the reader's concern.
     warnings.filterwarnings(
         "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
@@ -210,6 +253,7 @@ def train_rank(engine: str | EngineBuilder, cfg: RunConfig) -> dict[str, Any]:
     last = cfg.steps - 1
     return {
         "rank": info.rank,
+        "options": dict(cfg.options),
         "losses": losses,
         "step_time_s": step_times_s,
         "state_bytes": state,
@@ -349,6 +393,7 @@ def merge_ranks(ranks: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
     """The per-engine record (see `run`) from each rank's `train_rank` result, in rank order."""
     first_kept = max(0, steps - TIMELINE_STEPS)
     return {
+        "options": ranks[0]["options"],  # the run's options this engine honoured
         "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(steps)],
         "step_time_s": [max(r["step_time_s"][i] for r in ranks) for i in range(steps)],
         "state_bytes": ranks[0]["state_bytes"],
@@ -383,6 +428,9 @@ def compare(
 ) -> dict[str, Any]:
     """Run each engine in turn; {"config": {..., "n_params"}, "engines": {name: record}}.
 
+    Each engine gets the options of `cfg` that it honours (its record's "options"); an option that no
+    engine of the list honours is refused (`check_options`).
+
     `on_result(name, record, wall_s)` is called as each engine finishes (progress for long runs).
     """
     validate(engines, cfg)
@@ -392,7 +440,7 @@ def compare(
     }
     for name in engines:
         start_s = time.perf_counter()
-        out["engines"][name] = run(name, cfg, timeout_s)
+        out["engines"][name] = run(name, options_for(name, cfg), timeout_s)  # each its own options
         if on_result is not None:
             on_result(name, out["engines"][name], time.perf_counter() - start_s)
     return out

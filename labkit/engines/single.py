@@ -16,6 +16,7 @@ from labkit.engines import activation_checkpointing
 from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 
 NAME = "single"
+OPTIONS = ("activation_checkpointing",)  # the cfg.options keys it honours
 
 
 class SingleEngine(ModelEngine):
