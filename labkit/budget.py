@@ -204,11 +204,12 @@ def _switch(default: bool, help: str):
     return field(default=default, metadata={"spec": InputSpec("switch", "", help)})
 
 
-# CPU Adam's updates per second on one rank: a placeholder until the measurement of DeepSpeedCPUAdam and
-# labkit's host AdamW on this machine lands in benchmarks/results.md. DeepSpeed reports its CPU-Adam step
-# for an 11.6B-parameter model in 8.2 s on a dual-socket host (deepspeedai/DeepSpeed#735): 1.4e9 params/s
-# for the whole host. The 8 ranks of a node share it: 1.77e8 each, rounded down to 1.5e8.
-HOST_ADAM_PARAMS_PER_S = 1.5e8
+# CPU Adam's updates per second on one rank, measured (benchmarks/results.md, "CPU Adam throughput"):
+# DeepSpeedCPUAdam does 0.9-1.1e9 params/s on one core of this machine. Each rank of a node has at least one
+# core, and a node's memory bandwidth (CPU Adam streams about 28 B per parameter) holds 8 ranks above that
+# on a current host (600 GB/s / 28 B / 8 = 2.7e9 each), so one core's rate is the default. DeepSpeed's own
+# older report (deepspeedai/DeepSpeed#735: 11.6B params in 8.2 s on a whole host) is 1.8e8 per rank of 8.
+HOST_ADAM_PARAMS_PER_S = 1.0e9
 
 
 @dataclass(frozen=True)
@@ -261,8 +262,8 @@ class PlanInputs:
     host_adam_params_per_s: float = _number(
         HOST_ADAM_PARAMS_PER_S,
         "params/s",
-        "CPU Adam's updates per second on one rank (its share of the node's host); a placeholder from "
-        "DeepSpeed's own report until benchmarks/results.md measures it",
+        "CPU Adam's updates per second on one rank (its share of the node's host); default: "
+        "DeepSpeedCPUAdam on one core, measured in benchmarks/results.md",
         assumption=True,
     )
     gpu_memory_bytes: int = _count(

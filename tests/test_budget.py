@@ -537,11 +537,12 @@ def test_host_adam_time_by_hand():
     )
     assert plan(1000, 4)["host_optimizer_time_s"] == 0.0  # nothing offloaded: the GPU steps
     assert plan(1000, 4, offload_optimizer="nvme", host_adam_params_per_s=50)["host_optimizer_time_s"] == 5.0
-    # 70e9 on one node at the default 1.5e8 params/s: 8.75e9 params per rank take 58.3 s, beside 17.4 s of compute
+    # 70e9 on one node at the default 1e9 params/s (one core, measured): 8.75e9 params per rank take 8.75 s,
+    # half the 17.4 s of compute, and unhidden
     big = plan(70e9, 8, offload_optimizer="cpu")
-    assert budget.DEFAULTS["host_adam_params_per_s"] == budget.HOST_ADAM_PARAMS_PER_S == 1.5e8
-    assert big["host_optimizer_time_s"] == pytest.approx(8.75e9 / 1.5e8)
-    assert big["host_optimizer_time_s"] > 3 * big["compute_time_s"]
+    assert budget.DEFAULTS["host_adam_params_per_s"] == budget.HOST_ADAM_PARAMS_PER_S == 1e9
+    assert big["host_optimizer_time_s"] == pytest.approx(8.75e9 / 1e9)
+    assert 0.4 * big["compute_time_s"] < big["host_optimizer_time_s"] < 0.6 * big["compute_time_s"]
 
 
 def test_host_memory_verdict_says_when_only_nvme_fits():

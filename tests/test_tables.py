@@ -114,7 +114,7 @@ def test_plan_table_aligns_figures_and_puts_verdicts_on_their_own_line():
         in lines
     )
     assert any(line.startswith("  verdict, host: does not fit: 1.12 TB per node") for line in lines)
-    assert lines[lines.index("assumptions") - 2].split() == ["step", "77.153", "s"]
+    assert lines[lines.index("assumptions") - 2].split() == ["step", "27.570", "s"]
     found = budget.fewest_ranks(30e9)
     result = {**found.pop("plan"), "fewest_ranks": found}
     assert tables.plan_table(result).splitlines()[1] == f"fewest ranks that fit: {found['reason']}"
