@@ -136,7 +136,41 @@ def test_each_engine_gets_the_options_it_honours_and_an_option_none_honours_is_r
     assert options_for("deepspeed", cfg).options == {"zero_hpz_partition_size": 2}
     assert options_for("ddp", cfg).options == {}
     for engines, flag in ((["ddp"], "hsdp_shard_size"), (["single", "fsdp2"], "zero_hpz_partition_size")):
-        with pytest.raises(ValueError, match=rf"options \['{flag}'\]: no engine of this run .* would be ignored"):
+        with pytest.raises(
+            ValueError, match=rf"options \['{flag}'\]: no engine of this run .* would be ignored"
+        ):
             validate(engines, RunConfig(world_size=4, options={flag: 2}))
     with pytest.raises(ValueError, match="activation_checkpointing=True: the deepspeed engine refuses it"):
         validate(["deepspeed"], RunConfig(options={"activation_checkpointing": True}))  # in the parent now
+
+
+# Which engine runs each option on its own ranks (an option is a cfg.options key or a RunConfig field).
+HONOURS = {
+    ("options", "hsdp_shard_size", 2): {"scratch", "fsdp1", "fsdp2"},
+    ("options", "zero_hpz_partition_size", 2): {"deepspeed"},
+    ("options", "activation_checkpointing", True): {"single", "ddp", "scratch", "fsdp2"},
+    ("offload", None, "nvme"): {"single", "deepspeed"},
+}
+
+
+@pytest.mark.parametrize("setting", list(HONOURS), ids=lambda s: s[1] or s[2])
+def test_every_engine_runs_or_refuses_each_option_never_ignores_it(setting, monkeypatch):
+    from labkit.engines import ENGINES
+    from labkit.engines.loop import validate
+
+    monkeypatch.setattr("labkit.cluster.max_ranks", lambda device_type=None: 8)
+    where, key, value = setting
+    cfg = (
+        RunConfig(world_size=4, options={key: value})
+        if where == "options"
+        else RunConfig(world_size=4, offload=value)
+    )
+    for engine in ENGINES:
+        if engine in HONOURS[setting]:
+            validate([engine], cfg)
+            continue
+        with pytest.raises(ValueError) as refused:
+            validate([engine], cfg)
+        said = str(refused.value)
+        assert "\n" not in said and (engine in said or "only the deepspeed engine" in said), said
+        assert (key or value) in said, said
