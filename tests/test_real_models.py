@@ -33,6 +33,7 @@ import labkit
 from labkit import budget
 from labkit.engines import scratch, single
 from labkit.engines.base import RankInfo, RunConfig
+from labkit.engines.foreign import EncoderLM
 from labkit.engines.loop import rank_info, timed_step
 from labkit.probes import state_bytes
 from labkit.zero import checkpoint, instances_of
@@ -142,22 +143,6 @@ class Gpt2LMHead(nn.Module):
 # ------------------------------------------------------------------------------------------ others
 
 
-class EncoderLM(nn.Module):
-    """torch's own TransformerEncoder layers (d_model 25, 5 heads, feed-forward 37) between an embedding
-    and a head, with a causal mask kept as a buffer."""
-
-    def __init__(self, vocab: int = 29, d: int = 25, seq: int = 11):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        layer = nn.TransformerEncoderLayer(d, 5, dim_feedforward=37, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-        self.head = nn.Linear(d, vocab)
-        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(seq))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(tokens), mask=self.causal, is_causal=True))
-
-
 def mixer() -> nn.Module:
     """MLP-Mixer from the mlp-mixer-pytorch package: 9 patches of a 6x6 image (token-mixing Conv1d weights
     of 9 rows), width 10, 7 classes."""
@@ -208,7 +193,10 @@ CASES: dict[str, dict[str, Any]] = {
         "build": lambda: Gpt2LMHead(Gpt2Config(n_layer=3, adapter=True, skip_last_on_odd=True)),
         "units": blocks,
     },  # fmt: skip
-    "encoder": {"build": EncoderLM, "units": lambda m: instances_of(nn.TransformerEncoderLayer)},
+    "encoder": {
+        "build": EncoderLM,  # labkit.engines.foreign's, which notebook 05 shows
+        "units": lambda m: instances_of(nn.TransformerEncoderLayer),
+    },
     "mixer": {"build": mixer, "units": lambda m: instances_of(PreNormResidual)},
     # every parameter in a leaf unit: the root has none of its own
     "mixer_leaves": {"build": mixer, "units": lambda m: instances_of(nn.Linear, nn.Conv1d, nn.LayerNorm)},

@@ -99,7 +99,9 @@ class ScratchEngine:
         return state
 
 
-def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
+def predicted_wire_bytes(
+    model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpec = None
+) -> dict[str, int]:
     """Per rank per step, the all-gather, reduce-scatter (and HSDP all-reduce) wire bytes of this engine.
 
     Every unit (each block and the root) is gathered before its forward and, when it was resharded
@@ -113,7 +115,7 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
     compute_bytes = DTYPES[cfg.dtype].itemsize
     gathers = 2 if cfg.reshard_after_forward else 1
     out = {"all_gather": 0, "reduce_scatter": 0} | ({"all_reduce": 0} if replicas > 1 else {})
-    for _, _, params in model_units(model):
+    for _, _, params in model_units(model, units):  # `units` as the engine was given them
         padded = sum(padded_numel(tuple(p.shape), g) for _, p in params)
         trained = sum(padded_numel(tuple(p.shape), g) for _, p in params if p.requires_grad)
         out["all_gather"] += gathers * collective_wire_bytes("all_gather", padded * compute_bytes, g)
