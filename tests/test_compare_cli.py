@@ -137,7 +137,8 @@ def test_each_engine_gets_the_options_it_honours_and_an_option_none_honours_is_r
     assert options_for("ddp", cfg).options == {}
     for engines, flag in ((["ddp"], "hsdp_shard_size"), (["single", "fsdp2"], "zero_hpz_partition_size")):
         with pytest.raises(
-            ValueError, match=rf"options \['{flag}'\]: no engine of this run .* would be ignored"
+            ValueError,
+            match=rf"options \['{flag}'\]: the engines of this run .* no such setting, so it would be ignored",
         ):
             validate(engines, RunConfig(world_size=4, options={flag: 2}))
     with pytest.raises(ValueError, match="activation_checkpointing=True: the deepspeed engine refuses it"):

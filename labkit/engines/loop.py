@@ -137,8 +137,8 @@ def check_options(engines: Sequence[str], cfg: RunConfig) -> None:
             for k in unknown
         ]
         raise ValueError(
-            f"options {unknown}: no engine of this run ({', '.join(engines)}) has such a setting, so it would "
-            f"be ignored; {'; '.join(owners)}"
+            f"options {unknown}: the engines of this run ({', '.join(engines)}) have no such setting, so it "
+            f"would be ignored; {'; '.join(owners)}"
         )
 
 
