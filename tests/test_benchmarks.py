@@ -13,14 +13,22 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run benchmarks/gpu.py itself")
-def test_gpu_benchmark_refuses_without_cuda_in_one_sentence(tmp_path):
-    out = subprocess.run([sys.executable, ROOT / "benchmarks" / "gpu.py", "--out", tmp_path / "r.md"],
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run the GPU scripts themselves")
+@pytest.mark.parametrize(
+    ("script", "sentence"),
+    [
+        ("gpu.py", "benchmarks/gpu.py: no CUDA device here; run it on a machine with a GPU"),
+        (
+            "gpu_smoke.py",
+            "benchmarks/gpu_smoke.py: no CUDA device is visible here; run it on a machine with a GPU",
+        ),
+    ],
+)
+def test_the_gpu_scripts_refuse_without_cuda_in_one_sentence(tmp_path, script, sentence):
+    out = subprocess.run([sys.executable, ROOT / "benchmarks" / script, "--out", tmp_path / "r.md"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [
-        "benchmarks/gpu.py: no CUDA device here; run it on a machine with a GPU"
-    ]
+    assert out.stderr.strip().splitlines() == [sentence]
     assert not (tmp_path / "r.md").exists()
 
 
