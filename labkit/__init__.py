@@ -11,6 +11,8 @@ from typing import Any
 
 __all__ = ["launch", "LaunchError", "LaunchTimeout"]
 __version__ = "0.1.0"
+# The Jupyter kernel the set-up registers (`make lab`, binder/postBuild) and every committed notebook names.
+KERNEL_NAME = "labkit"
 
 
 def __getattr__(name: str) -> Any:

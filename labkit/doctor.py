@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-KERNEL_NAME = "labkit"
+from labkit import KERNEL_NAME
+
 SMOKE_WORLD_SIZE = 2
 SMOKE_TIMEOUT_S = 60.0
 PACKAGES = ("deepspeed", "jupyterlab", "ipywidgets")  # besides python and torch

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import nbformat
 
+from labkit import KERNEL_NAME
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 ASSETS_DIR = PACKAGE_DIR / "slides_assets"
 TEMPLATE_DIR = PACKAGE_DIR / "slides_template"
@@ -72,11 +74,11 @@ def title_of(nb: nbformat.NotebookNode, fallback: str) -> str:
 
 
 def execute_notebook(path: Path, timeout_s: float = 600.0) -> nbformat.NotebookNode:
-    """`path` executed top to bottom in its own folder with the `python3` kernel (nothing is written back)."""
+    """`path` executed top to bottom in its own folder with the `labkit` kernel (nothing is written back)."""
     from nbconvert.preprocessors import ExecutePreprocessor
 
     nb = nbformat.read(path, as_version=4)
-    ExecutePreprocessor(timeout=int(timeout_s), kernel_name="python3").preprocess(
+    ExecutePreprocessor(timeout=int(timeout_s), kernel_name=KERNEL_NAME).preprocess(
         nb, {"metadata": {"path": str(path.parent)}}
     )
     return nb

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from labkit import KERNEL_NAME
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
@@ -42,7 +44,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-KERNEL = "labkit"  # registered by the set-up (`make lab` / binder/postBuild)
+KERNEL = KERNEL_NAME  # registered by the set-up (`make lab` / binder/postBuild)
 STEP_TIMEOUT_MS = 60_000  # one browser step (a loaded 2-core machine is slow, not stuck)
 START_TIMEOUT_S = 90.0
 DROP_TAG = "notebook-only"  # labkit.slides drops these cells from the decks

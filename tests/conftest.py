@@ -15,6 +15,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from labkit import KERNEL_NAME
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 TIMEOUT_S = {"default": 420}  # per notebook, seconds (the slowest take ~2 min on a loaded 2-core laptop)
@@ -43,7 +45,7 @@ def executed(tmp_path_factory, request):
             pm.execute_notebook(
                 str(NOTEBOOKS / name),
                 str(out_dir / name),
-                kernel_name="python3",
+                kernel_name=KERNEL_NAME,
                 cwd=str(NOTEBOOKS),
                 progress_bar=False,
                 execution_timeout=TIMEOUT_S.get(name, TIMEOUT_S["default"]),

@@ -17,7 +17,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from labkit import prebuild
+from labkit import KERNEL_NAME, prebuild
 
 ROOT = Path(__file__).resolve().parents[1]
 PIN = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)==(?P<version>[^\s;#]+)$")
@@ -86,6 +86,28 @@ def test_pyproject_floors_are_met_by_the_pins():
 def _make_targets() -> set[str]:
     text = (ROOT / "Makefile").read_text()
     return set(re.findall(r"^([A-Za-z][\w-]*):(?!=)", text, flags=re.M))
+
+
+def test_every_committed_notebook_names_the_labkit_kernel():
+    """On a hub whose server runs from another environment, `python3` would open without labkit."""
+    import json
+
+    notebooks = sorted(ROOT.glob("notebooks/*.ipynb")) + sorted(ROOT.glob("exercises/*.ipynb"))
+    notebooks += sorted(ROOT.glob("solutions/*.ipynb"))
+    names = {
+        p.relative_to(ROOT).as_posix(): json.loads(p.read_text())["metadata"]["kernelspec"]["name"]
+        for p in notebooks
+    }
+    assert len(names) >= 22 and set(names.values()) == {KERNEL_NAME}, names
+    registered = [
+        line for line in (ROOT / "Makefile").read_text().splitlines() if "ipykernel install" in line
+    ]
+    registered += [
+        line
+        for line in (ROOT / "binder" / "postBuild").read_text().splitlines()
+        if "ipykernel install" in line
+    ]
+    assert len(registered) == 2 and all(f"--name {KERNEL_NAME} " in line for line in registered), registered
 
 
 def test_makefile_targets():

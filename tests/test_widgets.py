@@ -12,7 +12,7 @@ import nbformat  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from labkit import budget, plots, widgets  # noqa: E402
+from labkit import KERNEL_NAME, budget, plots, widgets  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_executed_notebook_keeps_a_static_figure(tmp_path):
         )
     ]
     nbclient.NotebookClient(
-        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        nb, timeout=240, kernel_name=KERNEL_NAME, resources={"metadata": {"path": str(tmp_path)}}
     ).execute()
     data = [o for o in nb.cells[0].outputs if o.output_type in ("display_data", "execute_result")][0]["data"]
     assert "data:image/png;base64," in data["text/html"] and "1.875 GB" in data["text/html"]

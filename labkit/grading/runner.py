@@ -6,8 +6,9 @@ executed notebook is saved after each cell as evidence, and RESULT gets a small 
 whether it reached the end, which cells raised, and, if the kernel died, how and in which cell. It holds
 no score. Exit status 0: the notebook ran to the end; 3: the kernel died; 4: papermill could not run it.
 
-The kernel is `KERNEL_NAME` ("python3"): ipykernel's own kernel, which jupyter_client starts with this
-interpreter, so grading needs no registered `labkit` kernel whatever kernelspec the student's notebook names.
+The kernel is named explicitly, `KERNEL_NAME` ("python3"): ipykernel's own kernel, which jupyter_client starts
+with this interpreter, so grading needs no registered `labkit` kernel (the one the committed notebooks name)
+and runs the labkit it was installed with, whatever kernelspec the student's notebook names.
 """
 
 from __future__ import annotations
