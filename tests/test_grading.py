@@ -23,6 +23,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from labkit import KERNEL_NAME
 from labkit.cli import main
 from labkit.grading import exercises, extract, grader, integrity, locks, ranks, report, sandbox
 from labkit.grading.checks import Check, judge_all, load, probe_one, submission_seed
@@ -595,7 +596,7 @@ def test_exercises_and_solutions_are_twins():
     for ex_path, sol_path in zip(EXERCISES, SOLUTIONS, strict=True):
         ex, sol = read(ex_path), read(sol_path)
         assert exercises.exercise_id(ex) == exercises.exercise_id(sol) and load(exercises.exercise_id(ex))
-        assert ex.metadata.kernelspec.name == "python3"
+        assert ex.metadata.kernelspec.name == sol.metadata.kernelspec.name == KERNEL_NAME
         assert locks.verify(ex, sol).intact, sol_path  # the same locked cells, the same ids
         roles = [exercises.role(c) for c in ex.cells]
         assert roles.count("parameters") == 1 and roles.count("check") == 1 and "answer" in roles
@@ -736,7 +737,8 @@ def test_a_cell_or_a_probe_past_its_limit_is_stopped_and_located(tmp_path):
     ran = extract.run_cell(sources["answer-loop"], "answer-loop", namespace, 0.5, sources)
     assert ran["timed_out"] and time.monotonic() - start < 5 and namespace["x"] == 1
     assert (
-        ran["error"] == "did not finish within 0.5 s (stopped at line 2 of cell 'answer-loop': `while True: pass`)"
+        ran["error"]
+        == "did not finish within 0.5 s (stopped at line 2 of cell 'answer-loop': `while True: pass`)"
     )
     sources = {"answer-spin": "def spin(ns, seed):\n    while True: pass"}
     exec(compile(sources["answer-spin"], "<cell answer-spin>", "exec"), namespace)
@@ -748,9 +750,9 @@ def test_a_cell_or_a_probe_past_its_limit_is_stopped_and_located(tmp_path):
     results = extract.run_group((stuck, also), namespace, 7, 1.0, tmp_path, sources)
     assert time.monotonic() - start < 5
     assert results["stuck"]["limit"] == "time" and results["after it"]["limit"] == "time"
-    assert "stopped at line 2 of cell 'answer-spin' in spin: `while True: pass`" in results["stuck"]["error"], (
-        results
-    )
+    assert (
+        "stopped at line 2 of cell 'answer-spin' in spin: `while True: pass`" in results["stuck"]["error"]
+    ), results
 
 
 def test_gradebook_pieces_roster_deadline_update_and_canvas(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import budget
+from labkit import KERNEL_NAME, budget
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -46,7 +46,7 @@ def _text(nb: nbformat.NotebookNode) -> str:
 @pytest.mark.parametrize("name", ALL)
 def test_committed_notebook_is_clean_and_has_parameters_and_slides(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    assert nb.metadata["kernelspec"]["name"] == "python3"
+    assert nb.metadata["kernelspec"]["name"] == KERNEL_NAME
     for i, cell in enumerate(nb.cells):
         assert "slideshow" in cell.metadata, f"{name} cell {i} has no slideshow metadata"
         if cell.cell_type == "code":
