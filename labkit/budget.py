@@ -131,6 +131,7 @@ TRAFFIC_KEYS = (
     "all_reduce",
 )
 LINKS = ("intra_node", "inter_node")
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: one all-reduce per 25 MiB of gradients
 
 # Bytes per parameter of each state term, by precision recipe.
 PRECISIONS: dict[str, dict[str, float]] = {
@@ -252,6 +253,9 @@ class PlanInputs:
         0, "parameters", "largest layer, for the gathered-buffer memory", "50e6", low=0
     )
     layers: int = _count(32, "layers", "transformer layers: the prefetch overlap model, the activations")
+    root_units: int = _count(
+        1, "units", "zero3/hsdp units besides the layers (the root; 2 when split into input and output units)"
+    )
     tokens_per_rank: float = _number(16384, "tokens", "tokens one rank trains on per step", assumption=True)
     peak_tflops: float = _number(989.0, "TFLOP/s", "peak compute per rank", assumption=True)
     mfu: float = _number(0.4, "fraction", "model FLOP utilisation, 0 < mfu <= 1", upper=1.0, assumption=True)
@@ -728,7 +732,11 @@ class Term(NamedTuple):
     payload_bytes: int  # the full tensor (see collective_wire_bytes)
     wire_bytes: int  # what one rank sends
     ring_bytes_all_ranks: dict[str, int]  # wire bytes of every rank by link, by the ring rule
-    time_s: float  # wire_bytes at the link's bandwidth
+    calls: int  # collectives of this term per step: one per unit (ddp: one per gradient bucket)
+    backend_s: (
+        float  # the backend's own seconds (a machine profile's calls x latency + wire / bandwidth), or 0
+    )
+    time_s: float  # wire_bytes at the link's bandwidth, or the backend's own time when that is longer
 
 
 def quantised_payload_bytes(numel: int, bytes_per_elem: float, block_elems: int | None) -> float:
@@ -754,11 +762,12 @@ def _span(p: PlanInputs, over: str) -> tuple[int, str, bool]:
     return g, "intra_node" if (g <= gpn and gpn % g == 0) or n <= gpn else "inter_node", False
 
 
-def traffic_terms(p: PlanInputs) -> list[Term]:
+def traffic_terms(p: PlanInputs, machine: dict | None = None) -> list[Term]:
     """The step's collectives (STEP_COLLECTIVES) with the options applied, each priced in bytes and seconds.
 
     reshard_after_forward=False drops the backward all-gather; hpZ moves it inside the node; qwZ / qgZ
-    quantise the forward all-gather / the reduce-scatter.
+    quantise the forward all-gather / the reduce-scatter. With a `machine` profile each term also pays the
+    backend's own cost (`machine_collective_s`), and lasts the longer of that and the link's time.
     """
     bandwidth = {"inter_node": p.link_gbytes * 1e9, "intra_node": p.intra_gbytes * 1e9}
     elem_bytes = PRECISIONS[p.precision]
@@ -784,9 +793,11 @@ def traffic_terms(p: PlanInputs) -> list[Term]:
             payload = int(numel * elem_bytes[c.moves])
         wire = collective_wire_bytes(c.kind, payload, size)
         ring = _ring_bytes_all_ranks(c.kind, payload, p.world_size, size, p.gpus_per_node, strided)
-        terms.append(
-            Term(name, c.key, c.kind, c.phase, size, link, payload, wire, ring, wire / bandwidth[link])
-        )
+        calls = -(-payload // DDP_BUCKET_BYTES) if p.strategy == "ddp" else p.layers + p.root_units
+        backend_s = machine_collective_s(machine, c.kind, size, wire, calls) if machine and size > 1 else 0.0
+        link_s = wire / bandwidth[link]
+        terms.append(Term(name, c.key, c.kind, c.phase, size, link, payload, wire, ring, calls, backend_s,
+                          max(link_s, backend_s)))  # fmt: skip
     return terms
 
 
@@ -869,16 +880,25 @@ def host_optimizer_time_s(p: PlanInputs, mem: Memory) -> float:
     return mem.elems["master"] / p.host_adam_params_per_s
 
 
-def step_time(p: PlanInputs, terms: list[Term], offload_time_s: float, host_adam_s: float = 0.0) -> dict:
+def step_time(
+    p: PlanInputs,
+    terms: list[Term],
+    offload_time_s: float,
+    host_adam_s: float = 0.0,
+    machine: dict | None = None,
+) -> dict:
     """Compute time, serial and exposed comm (with and without prefetch) and the step, in seconds.
 
-    Compute is 6 N tokens / (peak x MFU), a third forward and two thirds backward (activation checkpointing
-    adds a forward inside the backward: 8 N tokens); each phase's collectives overlap its compute by
-    `_overlap_exposed_s`; the after-step all-gather, the offload transfers and CPU Adam do not overlap.
+    Compute is 6 N tokens / (peak x MFU), or / a `machine` profile's rate per rank
+    (`machine_flops_per_s`); a third forward and two thirds backward (activation checkpointing adds a
+    forward inside the backward: 8 N tokens). Each phase's link time overlaps its compute by
+    `_overlap_exposed_s`; the backend's own time (`Term.backend_s`: on a CPU its copies run on the cores
+    that compute), the after-step all-gather, the offload transfers and CPU Adam do not overlap.
     """
     per_token = 8.0 if p.activation_checkpointing else 6.0
     flops = per_token * p.params * p.tokens_per_rank
-    compute_time_s = flops / (p.peak_tflops * 1e12 * p.mfu)
+    rate = machine_flops_per_s(machine, p.world_size) if machine else p.peak_tflops * 1e12 * p.mfu
+    compute_time_s = flops / rate
     fwd_k = 2 * compute_time_s / per_token
     bwd_k = compute_time_s - fwd_k
     by_phase = {"forward": 0.0, "backward_gather": 0.0, "backward_reduce": 0.0, "step": 0.0}
@@ -887,15 +907,16 @@ def step_time(p: PlanInputs, terms: list[Term], offload_time_s: float, host_adam
         phase = t.phase
         if phase == "backward":
             phase = "backward_gather" if t.collective == "all_gather" else "backward_reduce"
-        by_phase[phase] += t.time_s
+        by_phase[phase] += t.time_s - t.backend_s
         time_by_link[t.link] += t.time_s
     comm_time_s = sum(time_by_link.values())
-    exposed_prefetch = (
+    backend_s = sum(t.backend_s for t in terms)
+    exposed_prefetch = backend_s + (
         _overlap_exposed_s(by_phase["forward"], fwd_k, p.layers)
         + _overlap_exposed_s(by_phase["backward_gather"] + by_phase["backward_reduce"], bwd_k, p.layers)
         + by_phase["step"]
     )
-    exposed_no_prefetch = (
+    exposed_no_prefetch = backend_s + (
         by_phase["forward"]
         + by_phase["backward_gather"]
         + _overlap_exposed_s(by_phase["backward_reduce"], bwd_k, p.layers)
@@ -907,6 +928,7 @@ def step_time(p: PlanInputs, terms: list[Term], offload_time_s: float, host_adam
         "compute_time_s": compute_time_s,
         "comm_time_s": comm_time_s,
         "comm_time_by_link_s": time_by_link,
+        "backend_comm_time_s": backend_s,
         "comm_to_compute": comm_time_s / compute_time_s,
         "exposed_comm_s": exposed,
         "exposed_comm_prefetch_s": exposed_prefetch,
@@ -917,12 +939,87 @@ def step_time(p: PlanInputs, terms: list[Term], offload_time_s: float, host_adam
     }
 
 
+# ---- a calibrated machine ---------------------------------------------------------------------------------
+
+MACHINE_KEYS = ("compute_flops_per_s", "core_share", "collectives")
+COLLECTIVE_FIT_KEYS = ("latency_s", "gbytes")
+
+
+def check_machine_profile(profile: dict) -> dict:
+    """`profile` (what `labkit calibrate` writes) if it has what a plan prices a step with, else ValueError.
+
+    Keys: compute_flops_per_s (one rank alone, FLOP/s at 6 x params x tokens), core_share {"n": share of
+    that rate each of n ranks keeps}, collectives {kind: {"n": {latency_s, gbytes, ...}}}; others are kept.
+    """
+    if not isinstance(profile, dict) or any(k not in profile for k in MACHINE_KEYS):
+        raise ValueError(
+            f"a machine profile needs the keys {', '.join(MACHINE_KEYS)}; write one with labkit calibrate."
+        )
+    values = [profile["compute_flops_per_s"], *profile["core_share"].values()]
+    values += [
+        fit[k] for by_n in profile["collectives"].values() for fit in by_n.values() for k in ("gbytes",)
+    ]
+    if not all(isinstance(v, (int, float)) and v > 0 for v in values):
+        raise ValueError("a machine profile's rates, shares and bandwidths must be positive numbers; "
+                         "write it again with labkit calibrate.")  # fmt: skip
+    return profile
+
+
+def load_machine_profile(path: str) -> dict:
+    """The machine profile in the JSON file `path` (checked); ValueError in one sentence when it is not one."""
+    import json
+
+    try:
+        with open(path) as f:
+            return check_machine_profile(json.load(f))
+    except OSError as e:
+        raise ValueError(
+            f"cannot read the machine profile {path!r} ({e.strerror}); pass the file labkit calibrate wrote."
+        ) from None
+    except json.JSONDecodeError:
+        raise ValueError(f"{path!r} is not JSON; pass the file labkit calibrate --out wrote.") from None
+
+
+def _measured_at(profile_part: dict, world_size: int, what: str) -> dict | float:
+    if str(world_size) not in profile_part:
+        have = ", ".join(sorted(profile_part, key=int))
+        raise ValueError(
+            f"the machine profile has no {what} at world_size={world_size} (it has {have}); "
+            f"calibrate there: labkit calibrate --world-sizes {world_size}."
+        )
+    return profile_part[str(world_size)]
+
+
+def machine_flops_per_s(machine: dict, world_size: int) -> float:
+    """FLOP/s one of `world_size` ranks computes at on the profiled machine: the one-rank rate x its core share."""
+    return machine["compute_flops_per_s"] * _measured_at(machine["core_share"], world_size, "core share")
+
+
+def machine_collective_s(machine: dict, kind: str, world_size: int, wire_bytes: int, calls: int) -> float:
+    """The backend's own seconds for `calls` collectives of `kind` sending `wire_bytes` in all (one rank):
+    calls x latency_s + wire_bytes / (gbytes x 1e9), the profile's fit at that world size."""
+    if kind not in machine["collectives"]:
+        raise ValueError(
+            f"the machine profile has no fit for {kind}; it has {', '.join(machine['collectives'])}."
+        )
+    fit = _measured_at(machine["collectives"][kind], world_size, f"{kind} fit")
+    return calls * fit["latency_s"] + wire_bytes / (fit["gbytes"] * 1e9)
+
+
+def machine_summary(machine: dict, world_size: int) -> dict:
+    """What a plan's result says of the profile it used: the rates at this world size and where it was measured."""
+    share = _measured_at(machine["core_share"], world_size, "core share")
+    return {"compute_flops_per_s": machine["compute_flops_per_s"], "core_share": share,
+            "flops_per_s_per_rank": machine["compute_flops_per_s"] * share,
+            "calibrated_on": machine.get("machine", {})}  # fmt: skip
+
+
 # ---- the plan ----------------------------------------------------------------------------------------------
 
 # the inputs a result echoes under "options", in this order
 _ECHOED = (
     "reshard_after_forward", "prefetch", "qwz", "hpz", "qgz", "quant_block_elems", "offload_optimizer",
-    "offload_params", "largest_layer_params", "layers", "tokens_per_rank", "peak_tflops", "mfu",
+    "offload_params", "largest_layer_params", "layers", "root_units", "tokens_per_rank", "peak_tflops", "mfu",
     "link_gbytes", "intra_gbytes", "host_gbytes", "nvme_gbytes", "host_adam_params_per_s", "gpu_memory_bytes",
     "host_memory_bytes", "hidden_size", "attention_heads", "seq_len", "micro_batch", "vocab_size",
     "activation_checkpointing",
@@ -933,17 +1030,21 @@ def plan(params: float, world_size: int, strategy: str = DEFAULTS["strategy"], *
     """Memory, traffic and time of one training step per rank, for `params` parameters on `world_size` ranks.
 
     Units: bytes (1 GB = 1e9 B), seconds, GB/s for bandwidths, TFLOP/s for `peak_tflops`. `options` are
-    the other fields of `PlanInputs` (their meaning, units and defaults are there); docs/budget.md states
-    every formula. With accounting="deepspeed" the state is DeepSpeed's estimate; the other keys are the same.
+    the other fields of `PlanInputs` (their meaning, units and defaults are there), and `machine`: a profile
+    of `labkit calibrate` (`check_machine_profile`), whose measured compute rate and collective costs then
+    price the step instead of peak x MFU and the datasheet links; docs/budget.md states every formula. With accounting="deepspeed" the state is DeepSpeed's estimate; the other keys are the same.
     The verdict (`fits`, `gpu_verdict`, `host_verdict`) weighs the GPU bytes against `gpu_memory_bytes`.
     Raises ValueError with one sentence naming the argument when an input is impossible.
     """
+    machine = options.pop("machine", None)
+    if machine is not None:
+        check_machine_profile(machine)
     p = PlanInputs(params, world_size, strategy, **options)
     mem = memory_terms(p)
-    terms = traffic_terms(p)
+    terms = traffic_terms(p, machine)
     host_io, nvme_io = offload_io_bytes(p, mem)
     offload_s = host_io / (p.host_gbytes * 1e9) + nvme_io / (p.nvme_gbytes * 1e9)
-    times = step_time(p, terms, offload_s, host_optimizer_time_s(p, mem))
+    times = step_time(p, terms, offload_s, host_optimizer_time_s(p, mem), machine)
     activations, peak_at = activation_bytes(p)
     result = {
         "params": p.params,
@@ -964,6 +1065,7 @@ def plan(params: float, world_size: int, strategy: str = DEFAULTS["strategy"], *
         **times,
         "assumptions": {i.name: getattr(p, i.name) for i in INPUTS if i.spec.assumption},
         "options": {name: getattr(p, name) for name in _ECHOED},
+        "machine": None if machine is None else machine_summary(machine, p.world_size),
     }
     if p.accounting == "deepspeed":
         result.update(_deepspeed_accounting(p, result["state_bytes_per_rank"]))
@@ -1334,8 +1436,13 @@ def _traffic_rows(result: dict) -> list[tuple[str, str, str]]:
 
 def _time_rows(result: dict) -> list[tuple[str, str, str]]:
     rows = [
-        ("compute", result["compute_time_s"]),
+        ("compute" + (" (calibrated rate)" if result["machine"] else ""), result["compute_time_s"]),
         ("communication (serial)", result["comm_time_s"]),
+        *(
+            [("of which the backend's own (calibrated)", result["backend_comm_time_s"])]
+            if result["machine"]
+            else []
+        ),
         ("exposed comm, one-layer prefetch", result["exposed_comm_prefetch_s"]),
         ("exposed comm, no prefetch", result["exposed_comm_no_prefetch_s"]),
     ]

@@ -175,3 +175,45 @@ def test_every_engine_runs_or_refuses_each_option_never_ignores_it(setting, monk
         said = str(refused.value)
         assert "\n" not in said and (engine in said or "only the deepspeed engine" in said), said
         assert (key or value) in said, said
+
+
+def test_compare_machine_adds_the_calibrated_prediction_beside_the_measured_step(tmp_path, capsys):
+    from labkit import budget, calibrate
+
+    share = {"1": 1.0, "2": 0.5}
+    fit = {"2": {"latency_s": 1e-3, "gbytes": 1.0}}
+    profile = {
+        "compute_flops_per_s": 1e10,
+        "core_share": share,
+        "collectives": dict.fromkeys(calibrate.KINDS, fit),
+    }
+    machine = tmp_path / "machine.json"
+    machine.write_text(json.dumps(profile))
+    out = tmp_path / "compare.json"
+    argv = [
+        "compare",
+        "--engines",
+        "single,ddp",
+        "--steps",
+        "2",
+        "--machine",
+        str(machine),
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    engines = json.loads(out.read_text())["engines"]
+    n_params = count_params(build_model("tiny"))
+    # single: the whole batch (12 x 48 tokens) on one rank at the full rate, no collectives
+    assert engines["single"]["predicted_step_s"] == pytest.approx(6 * n_params * 12 * 48 / 1e10)
+    # ddp: half the batch per rank at half the rate, plus one all-reduce (one bucket) of 2(n-1)/n x 4 B/param
+    ddp_s = (
+        6 * n_params * 6 * 48 / (1e10 * 0.5)
+        + 1e-3
+        + budget.collective_wire_bytes("all_reduce", 4 * n_params, 2) / 1e9
+    )
+    assert engines["ddp"]["predicted_step_s"] == pytest.approx(ddp_s)
+    assert "ddp: predicted" in printed and "predicted/measured" in printed
+    assert main(["compare", "--engines", "single", "--machine", str(tmp_path / "none.json")]) == 2
+    assert "labkit compare: --machine: cannot read the machine profile" in capsys.readouterr().err

@@ -97,6 +97,13 @@ def register(subparsers) -> None:
     for i in budget.INPUTS:
         _add_flag(p, i)
     p.add_argument(
+        "--machine",
+        metavar="FILE",
+        default=None,
+        help="a machine profile of `labkit calibrate --out FILE`: its measured compute rate and collective "
+        "costs price the step instead of --peak-tflops x --mfu and the links",
+    )
+    p.add_argument(
         "--json", metavar="OUT", default=None, help="write the result as JSON to OUT ('-': stdout)"
     )
     p.set_defaults(func=run)
@@ -123,7 +130,8 @@ def _plan(options: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     """Compute the plan, print the table (unless JSON goes to stdout), write JSON if asked."""
     try:
-        result = _plan({i.name: getattr(args, i.name) for i in budget.INPUTS})
+        machine = {} if args.machine is None else {"machine": budget.load_machine_profile(args.machine)}
+        result = _plan({i.name: getattr(args, i.name) for i in budget.INPUTS} | machine)
     except ValueError as e:
         raise UsageError(f"labkit budget: {_flagged(e)}") from None
     text = json.dumps(result, indent=2)

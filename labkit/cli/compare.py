@@ -109,6 +109,13 @@ def register(subparsers) -> None:
         "--timeout", type=_positive_float, default=300.0, help="seconds per engine before giving up"
     )
     p.add_argument("--json", metavar="OUT", default=None, help="write the result as JSON to OUT")
+    p.add_argument(
+        "--machine",
+        metavar="FILE",
+        default=None,
+        help="a profile of `labkit calibrate --out FILE`: each engine's record gains predicted_step_s, the "
+        "calibrated labkit.budget step, printed beside the measured one",
+    )
     p.set_defaults(func=run)
 
 
@@ -127,12 +134,33 @@ def _group_size(flag: str, value: int | None, world_size: int) -> int | None:
     return size
 
 
+def _predicted_lines(result: dict, cfg, machine: dict) -> str:
+    """Add each engine's calibrated `predicted_step_s` to its record; the lines that show it beside the measured."""
+    from labkit.calibrate import predicted_step_s
+    from labkit.engines.loop import options_for
+    from labkit.tables import median_step_s
+
+    lines = ["calibrated labkit.budget step (--machine) against the measured median step:"]
+    for name, record in result["engines"].items():
+        record["predicted_step_s"] = predicted_step_s(name, options_for(name, cfg), machine)
+        measured = median_step_s(record)
+        lines.append(f"  {name}: predicted {record['predicted_step_s']:.3f} s, measured {measured:.3f} s "
+                     f"(predicted/measured {record['predicted_step_s'] / measured:.2f})")  # fmt: skip
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
+    from labkit.budget import load_machine_profile
     from labkit.cluster import launcher_world_size, max_ranks
     from labkit.engines import loop
     from labkit.engines.base import RunConfig
     from labkit.model import CONFIGS
     from labkit.tables import compare_table
+
+    try:
+        machine = None if args.machine is None else load_machine_profile(args.machine)
+    except ValueError as e:
+        raise UsageError(f"labkit compare: --machine: {e}") from None
 
     launched = launcher_world_size()
     if launched is not None and args.world_size not in (None, launched):
@@ -200,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
     if not speaks:
         return 0
     print(compare_table(result))
+    if machine is not None:
+        print(_predicted_lines(result, cfg, machine))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -1,0 +1,210 @@
+"""Calibrate `labkit.budget`'s time model on this machine: its compute rate, its core share, gloo's cost.
+
+`calibrate(model, world_sizes)` measures, through `labkit.launch` (real ranks, real gloo collectives):
+
+    compute_flops_per_s    one rank alone at one thread: 6 x params x tokens / seconds of one training step
+                           (forward, backward, AdamW) of the lab's model on its global batch
+    core_share[n]          the part of that rate each of n ranks keeps when n ranks train at once on their
+                           slices of the batch (ranks sharing cores, smaller matrices), per world size
+    collectives[kind][n]   gloo's latency (s) and bandwidth (GB/s of ring wire bytes) for all-gather,
+                           reduce-scatter and all-reduce: a least-squares line through a few message sizes
+
+and returns the profile as a JSON-able dict (`labkit.budget.check_machine_profile` says its keys), which
+`labkit.budget.plan(..., machine=profile)` prices steps with. `predicted_step_s` is that plan's step for
+one engine of a `labkit compare` run. Default plans (no profile) keep the GPU datasheet numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit import budget
+from labkit.engines.base import RunConfig
+from labkit.model import batch, build_model, config, count_params
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+PAYLOAD_BYTES = (96_000, 960_000, 3_840_000, 9_600_000)  # full tensors; fp32 elements divisible by 2, 3, 4
+COMPUTE_STEPS = 4  # timed training steps per measurement, after one warm-up step
+COLLECTIVE_REPS = 5  # timed calls per kind and size, after one warm-up call
+# The budget strategy each engine's step follows (`predicted_step_s`).
+ENGINE_STRATEGY = {"single": "ddp", "ddp": "ddp", "scratch": "zero3", "fsdp1": "zero3", "fsdp2": "zero3",
+                   "deepspeed": "zero3"}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ the fit
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least-squares y = a + b x through the points: (a, b, the root-mean-square residual of y)."""
+    k = len(xs)
+    if k < 2 or len(set(xs)) < 2:
+        raise ValueError(f"a line needs points at two or more distinct x; got {k} point(s)")
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    rms = math.sqrt(statistics.fmean((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True)))
+    return a, b, rms
+
+
+def collective_fit(points: list[tuple[int, float]]) -> dict:
+    """gloo's cost of one collective kind at one world size: seconds = latency_s + wire_bytes / (gbytes x 1e9).
+
+    `points`: (wire bytes one rank sends, median seconds of the call). Returns the line, its residual and
+    the points, so a profile carries the measurements its fit came from.
+    """
+    latency_s, s_per_byte, residual_s = fit_line([p[0] for p in points], [p[1] for p in points])
+    if s_per_byte <= 0:
+        raise ValueError(
+            "the measured collective times do not grow with the message size (the machine was too busy); "
+            "run labkit calibrate again on a quieter machine"
+        )
+    return {"latency_s": latency_s, "gbytes": 1 / s_per_byte / 1e9, "residual_s": residual_s,
+            "points": [[int(w), s] for w, s in points]}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ rank side
+
+
+def _train_steps_s(model_name: str, world_size: int, rank: int) -> list[float]:
+    """Seconds of each timed training step (no collectives) of `single`'s step on this rank's batch slice."""
+    from labkit.engines.loop import timed_step
+    from labkit.engines.single import SingleEngine
+
+    cfg = RunConfig(model=model_name)
+    engine = SingleEngine(build_model(model_name), cfg, torch.device("cpu"))
+    return [
+        timed_step(engine, s, batch(s, model_name, 0, world_size, rank))[1] for s in range(COMPUTE_STEPS + 1)
+    ][1:]
+
+
+def _collective_s(kind: str, payload_bytes: int, n: int) -> list[float]:
+    """Seconds of each timed call of one collective of `payload_bytes` (fp32) on this rank, a barrier before each."""
+    full = torch.ones(payload_bytes // 4)
+    shard = torch.ones(full.numel() // n)
+    calls = {
+        "all_gather": lambda: dist.all_gather_single(full, shard),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
+        "all_reduce": lambda: dist.all_reduce(full),
+    }
+    out = []
+    for _ in range(COLLECTIVE_REPS + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        calls[kind]()
+        out.append(time.perf_counter() - start)
+    return out[1:]
+
+
+def _measure_rank(model_name: str, alone_first: bool) -> dict:
+    """On each rank: (rank 0 alone, when asked) the one-rank steps, then every rank's steps at once, then
+    each collective at each size. One thread per rank, as `labkit.engines.loop.train_rank` runs engines."""
+    torch.set_num_threads(1)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    if alone_first:
+        if rank == 0:
+            out["alone_s"] = _train_steps_s(model_name, 1, 0)
+        dist.barrier()
+    out["together_s"] = _train_steps_s(model_name, n, rank)
+    out["collectives"] = {k: {p: _collective_s(k, p, n) for p in PAYLOAD_BYTES} for k in KINDS}
+    return out
+
+
+# ------------------------------------------------------------------------------------------ parent
+
+
+def _slowest(per_rank: list[list[float]]) -> float:
+    """The median over calls of the slowest rank's time of each call (seconds)."""
+    return statistics.median(max(times) for times in zip(*per_rank, strict=True))
+
+
+def calibrate(model: str = "small", world_sizes: tuple[int, ...] = (2, 4), timeout_s: float = 120.0) -> dict:
+    """Measure this machine and return its profile (see the module docstring; seconds, bytes, GB/s)."""
+    cfg = config(model)
+    flops_per_token = 6 * count_params(build_model(model))
+    sizes = sorted(set(world_sizes))
+    if not sizes or sizes[0] < 2:
+        raise ValueError(f"world_sizes={world_sizes!r}: pass world sizes of 2 ranks or more, e.g. (2, 4)")
+    rate = None
+    core_share, collectives = {"1": 1.0}, {k: {} for k in KINDS}
+    for n in sizes:
+        ranks = labkit.launch(_measure_rank, n, model, rate is None, timeout=timeout_s)
+        if rate is None:
+            rate = flops_per_token * cfg.global_batch * cfg.seq_len / statistics.median(ranks[0]["alone_s"])
+        tokens = cfg.global_batch // n * cfg.seq_len
+        together_s = _slowest([r["together_s"] for r in ranks])
+        core_share[str(n)] = flops_per_token * tokens / together_s / rate
+        for kind in KINDS:
+            points = [(budget.collective_wire_bytes(kind, p, n), _slowest([r["collectives"][kind][p] for r in ranks]))
+                      for p in PAYLOAD_BYTES]  # fmt: skip
+            collectives[kind][str(n)] = collective_fit(points)
+    return budget.check_machine_profile({
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "torch": torch.__version__, "backend": "gloo", "threads_per_rank": 1,
+                    "load_average": list(os.getloadavg())},
+        "model": model,
+        "compute_flops_per_s": rate,
+        "core_share": core_share,
+        "collectives": collectives,
+    })  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ prediction
+
+
+def plan_options(engine: str, cfg: RunConfig, profile: dict) -> tuple[int, str, dict]:
+    """(ranks, strategy, options) of the `labkit.budget.plan` that prices one step of `engine` under `cfg`.
+
+    The lab's model and batch slice, fp32 or bf16 state, one node of ranks whose links are the emulated
+    link (`cfg.link_gbytes`; none: infinitely fast, so gloo's own cost is all), the engine's unit plan.
+    """
+    if engine not in ENGINE_STRATEGY:
+        raise ValueError(f"engine {engine!r} has no budget strategy; use one of {', '.join(ENGINE_STRATEGY)}")
+    n = 1 if engine == "single" else cfg.world_size
+    model_cfg = config(cfg.model)
+    link = cfg.link_gbytes or math.inf
+    options = {
+        **budget.model_options(model_cfg, n),
+        "tokens_per_rank": model_cfg.global_batch // n * model_cfg.seq_len,
+        "precision": "fp32" if cfg.dtype == "float32" else "bf16_mixed",
+        "gpus_per_node": n, "link_gbytes": link, "intra_gbytes": link,
+        "prefetch": cfg.prefetch, "reshard_after_forward": cfg.reshard_after_forward,
+        "machine": profile,
+    }  # fmt: skip
+    return n, ENGINE_STRATEGY[engine], options
+
+
+def predicted_step_s(engine: str, cfg: RunConfig, profile: dict) -> float:
+    """The calibrated plan's step time (seconds) for `engine` under `cfg`: what `labkit compare` records."""
+    n, strategy, options = plan_options(engine, cfg, profile)
+    params = count_params(build_model(cfg.model))
+    return budget.plan(params, n, strategy, **options)["step_time_s"]
+
+
+def profile_table(profile: dict) -> str:
+    """The profile's figures as the text table `labkit calibrate` prints."""
+    from labkit.tables import fixed_width
+
+    lines = [f"compute, one rank alone ({profile['model']}, one thread): {profile['compute_flops_per_s'] / 1e9:.1f} GFLOP/s",
+             "core share per rank: " + ", ".join(f"{n} ranks {s:.2f}" for n, s in profile["core_share"].items())]  # fmt: skip
+    rows = [("collective", "ranks", "latency ms", "GB/s", "residual ms")]
+    for kind, by_n in profile["collectives"].items():
+        for n, fit in by_n.items():
+            rows.append(
+                (
+                    kind,
+                    n,
+                    f"{fit['latency_s'] * 1e3:.2f}",
+                    f"{fit['gbytes']:.3f}",
+                    f"{fit['residual_s'] * 1e3:.2f}",
+                )
+            )
+    return "\n".join([*lines, "", fixed_width(rows, rule=True)])

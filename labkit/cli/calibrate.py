@@ -1,0 +1,71 @@
+"""`labkit calibrate --out machine.json`: measure this machine for `labkit.budget`'s time model.
+
+The work is `labkit.calibrate.calibrate` (compute rate, core share per world size, gloo's latency and
+bandwidth per collective kind and world size); this file parses the flags, prints the fits and writes the
+profile that `labkit budget --machine` and `labkit compare --machine` read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from labkit.cli import UsageError
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: pass world sizes separated by commas, e.g. 2,4"
+        ) from None
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass world sizes of 2 ranks or more, e.g. 2,4")
+    return sizes
+
+
+def register(subparsers) -> None:
+    """Add the `calibrate` command to the `labkit` parser."""
+    p = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine's compute rate and collective costs for labkit budget's time model",
+        description="Measure, in under a minute, this machine's compute rate for the lab's model (one rank, "
+        "one thread), the share of it each rank keeps when ranks share the cores, and gloo's latency and "
+        "bandwidth per collective and world size; write them as a machine profile (JSON).",
+    )
+    p.add_argument("--out", metavar="FILE", required=True, help="where to write the profile (JSON)")
+    p.add_argument("--model", default="small", help="the lab's model to time (labkit.model.CONFIGS)")
+    p.add_argument("--world-sizes", type=_world_sizes, default=(2, 4), help="ranks to measure at, e.g. 2,4")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from labkit import calibrate
+    from labkit.cluster import max_ranks
+    from labkit.model import CONFIGS
+
+    if args.model not in CONFIGS:
+        raise UsageError(
+            f"labkit calibrate: --model {args.model!r} is unknown; choose from {', '.join(CONFIGS)}"
+        )
+    global_batch = CONFIGS[args.model].global_batch
+    for n in args.world_sizes:
+        if n > max_ranks():
+            raise UsageError(f"labkit calibrate: --world-sizes {n} but this machine can run {max_ranks()} ranks; "
+                             f"pass sizes <= {max_ranks()}")  # fmt: skip
+        if global_batch % n:
+            raise UsageError(f"labkit calibrate: --world-sizes {n} does not divide the global batch of "
+                             f"{global_batch} sequences of {args.model!r}; pass divisors of it")  # fmt: skip
+    try:
+        with open(args.out, "w"):
+            pass
+    except OSError as e:
+        raise UsageError(
+            f"labkit calibrate: --out {args.out}: cannot write ({e.strerror}); pass a writable path"
+        ) from None
+    profile = calibrate.calibrate(args.model, args.world_sizes)
+    print(calibrate.profile_table(profile))
+    with open(args.out, "w") as f:
+        json.dump(profile, f, indent=1)
+    return 0

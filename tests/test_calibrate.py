@@ -1,0 +1,105 @@
+"""`labkit calibrate` and the calibrated plan: the fits against their own measurements, the profile's
+round trip, a hand-written profile's step time worked out by hand, and `labkit budget --machine`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from labkit import budget, calibrate
+from labkit.cli import main
+
+HAND = {  # a machine: 10 GFLOP/s alone, half of it at 2 ranks; every collective 1 ms + 1 GB/s
+    "compute_flops_per_s": 1e10,
+    "core_share": {"1": 1.0, "2": 0.5},
+    "collectives": {k: {"2": {"latency_s": 1e-3, "gbytes": 1.0}} for k in calibrate.KINDS},
+}
+HAND_PLAN = {"layers": 4, "tokens_per_rank": 1000, "precision": "fp32", "gpus_per_node": 2}
+
+
+def test_fit_line_recovers_an_exact_line_and_is_numpys_least_squares_on_noisy_points():
+    xs = [1e5, 1e6, 4e6, 1e7]
+    a, b, rms = calibrate.fit_line(xs, [2e-3 + x / 5e8 for x in xs])
+    assert a == pytest.approx(2e-3) and b == pytest.approx(1 / 5e8) and rms == pytest.approx(0, abs=1e-12)
+    ys = [2e-3 + x / 5e8 + e for x, e in zip(xs, [3e-4, -2e-4, 4e-4, -1e-4], strict=True)]
+    a, b, rms = calibrate.fit_line(xs, ys)
+    slope, intercept = np.polyfit(xs, ys, 1)
+    assert (a, b) == pytest.approx((intercept, slope))
+    assert rms == pytest.approx(np.sqrt(np.mean((np.array(ys) - intercept - slope * np.array(xs)) ** 2)))
+    with pytest.raises(ValueError, match="two or more distinct x"):
+        calibrate.fit_line([1.0, 1.0], [1.0, 2.0])
+
+
+def test_a_real_calibration_fits_its_own_measurements_and_round_trips_through_json(tmp_path):
+    profile = calibrate.calibrate("tiny", (2,))
+    assert profile["compute_flops_per_s"] > 0 and 0 < profile["core_share"]["2"]
+    for kind in calibrate.KINDS:
+        fit = profile["collectives"][kind]["2"]
+        wire, seconds = np.array(fit["points"], dtype=float).T
+        assert len(wire) == len(calibrate.PAYLOAD_BYTES)
+        assert list(wire) == [budget.collective_wire_bytes(kind, p, 2) for p in calibrate.PAYLOAD_BYTES]
+        slope, intercept = np.polyfit(wire, seconds, 1)  # the stored line is the least-squares one
+        assert fit["latency_s"] == pytest.approx(intercept, rel=1e-6, abs=1e-9)
+        assert fit["gbytes"] == pytest.approx(1 / slope / 1e9, rel=1e-6)
+        residuals = seconds - (fit["latency_s"] + wire / (fit["gbytes"] * 1e9))
+        assert fit["residual_s"] == pytest.approx(np.sqrt(np.mean(residuals**2)), rel=1e-6, abs=1e-12)
+        assert np.all(np.abs(residuals) <= 2 * fit["residual_s"] + 1e-12)  # 4 points: none beyond 2 rms
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps(profile))
+    loaded = budget.load_machine_profile(str(path))
+    assert loaded == profile
+    assert budget.plan(1e6, 2, machine=loaded, **HAND_PLAN) == budget.plan(
+        1e6, 2, machine=profile, **HAND_PLAN
+    )
+
+
+def test_plan_with_a_hand_written_profile_gives_the_hand_computed_step():
+    result = budget.plan(
+        1e6, 2, "zero3", machine=HAND, link_gbytes=math.inf, intra_gbytes=math.inf, **HAND_PLAN
+    )
+    compute_s = 6 * 1e6 * 1000 / (1e10 * 0.5)
+    per_collective_s = 5 * 1e-3 + 2e6 / 1e9  # 4 layers + the root = 5 calls; (n-1)/n x 4 MB = 2 MB sent
+    assert result["compute_time_s"] == pytest.approx(compute_s)
+    assert result["backend_comm_time_s"] == pytest.approx(3 * per_collective_s)
+    assert result["step_time_s"] == pytest.approx(compute_s + 3 * per_collective_s)
+    # a 1 MB/s link: each collective lasts 2 s; what is beyond gloo's own time overlaps as the plan says
+    slow = budget.plan(1e6, 2, "zero3", machine=HAND, link_gbytes=1e-3, intra_gbytes=1e-3, **HAND_PLAN)
+    excess = 2.0 - per_collective_s
+    fwd_k, bwd_k = compute_s / 3, 2 * compute_s / 3
+
+    def exposed(c, k):
+        return c / 4 + 3 * max(0.0, c / 4 - k / 4)
+
+    expected = compute_s + 3 * per_collective_s + exposed(excess, fwd_k) + exposed(2 * excess, bwd_k)
+    assert slow["step_time_s"] == pytest.approx(expected)
+    ddp = budget.plan(1e6, 2, "ddp", machine=HAND, link_gbytes=math.inf, intra_gbytes=math.inf, **HAND_PLAN)
+    assert ddp["traffic_terms"][0]["calls"] == 1  # 4 MB of gradients: one DDP bucket
+    assert ddp["step_time_s"] == pytest.approx(compute_s + 1e-3 + 4e6 / 1e9)
+
+
+def test_a_profile_without_the_world_size_or_the_keys_is_refused_in_one_sentence(tmp_path):
+    with pytest.raises(ValueError, match=r"no all_gather fit at world_size=4 \(it has 2\); calibrate there"):
+        budget.plan(1e6, 4, machine=HAND)
+    with pytest.raises(ValueError, match="needs the keys compute_flops_per_s"):
+        budget.plan(1e6, 2, machine={"core_share": {}})
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="is not JSON"):
+        budget.load_machine_profile(str(tmp_path / "bad.json"))
+
+
+def test_labkit_budget_machine_prints_the_calibrated_step_and_refuses_a_missing_file(tmp_path, capsys):
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps(HAND))
+    argv = ["budget", "--params", "1e6", "--world-size", "2", "--layers", "4", "--tokens-per-rank", "1000",
+            "--precision", "fp32", "--gpus-per-node", "2", "--machine", str(path), "--json", "-"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["compute_time_s"] == pytest.approx(1.2) and result["machine"]["core_share"] == 0.5
+    assert (
+        main(["budget", "--params", "1e6", "--world-size", "2", "--machine", str(tmp_path / "none.json")])
+        == 2
+    )
+    assert "cannot read the machine profile" in capsys.readouterr().err
