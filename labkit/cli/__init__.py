@@ -14,6 +14,7 @@ import sys
 COMMANDS = (
     "doctor",
     "budget",
+    "calibrate",
     "compare",
     "torchrun",
     "grade",
