@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import torch
+from sections import write_section  # benchmarks/sections.py (a script's own folder is on sys.path)
 
 SECTION = "## CPU Adam throughput"
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}  # the lab's RunConfig AdamW
@@ -121,19 +121,6 @@ def section_lines(rates: dict[tuple[str, int, int], float]) -> list[str]:
     return lines
 
 
-def write_section(path: str, lines: list[str]) -> None:
-    """Put `lines` into the markdown file at `path` in place of its CPU Adam section (appended if absent)."""
-    text = open(path).read() if os.path.exists(path) else ""
-    block = "\n".join(lines) + "\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block + "\n", text, count=1).rstrip("\n") + "\n"
-    else:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + block
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numels", default="1e6,1e7", help="tensor sizes, comma-separated (elements)")
@@ -143,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     numels = [int(float(x)) for x in args.numels.split(",")]
     rates = measure(numels, args.reps)
     lines = section_lines(rates)
-    write_section(args.out, lines)
+    write_section(args.out, SECTION, lines)
     print("\n".join(lines))
     return 0
 
