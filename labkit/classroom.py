@@ -5,15 +5,16 @@ A notebook's ranks are read from its papermill `parameters` cell: the largest `*
 `cluster.RANK_BYTES_ESTIMATE` (an idle rank with torch imported, measured), plus on every rank the state of
 an unsharded fp32 AdamW replica of the largest model the notebook names (`budget.plan(n, 1, "ddp")`: the
 most any engine in it holds). The node's capacity follows `cluster.max_ranks`: `cluster.RANKS_PER_CORE`
-CPU ranks per core and the memory available now; a GPU rank needs its own GPU, else the notebook runs on
-CPU ranks (`cluster.placement`). `labkit doctor --class N` prints `class_report(N)`.
+CPU ranks per CPU of the CPU limit and the memory limit (`labkit.limits`: a container's are its cgroup's);
+a GPU rank needs its own GPU, else the notebook runs on CPU ranks (`cluster.choose_placement`, the rule
+`labkit.launch` follows): `notebook_placement` says which, and why. `labkit doctor --class N` prints
+`class_report(N)`.
 """
 
 from __future__ import annotations
 
 import ast
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import nbformat
 
 from labkit import budget
-from labkit.cluster import RANK_BYTES_ESTIMATE, RANKS_PER_CORE, _available_memory_bytes
+from labkit.cluster import RANK_BYTES_ESTIMATE, RANKS_PER_CORE, choose_placement
 
 
 @dataclass(frozen=True)
@@ -107,13 +108,32 @@ def notebook_needs(notebooks_dir: str | Path | None = None) -> list[NotebookNeed
     return [notebook_need(p) for p in paths]
 
 
-def node_capacity() -> dict[str, int]:
-    """This node's CPU cores (those this process may use), memory available now (bytes) and GPUs."""
-    import torch
+def node_capacity() -> dict[str, Any]:
+    """This node's CPUs and memory as limited for this process (`labkit.limits.read_limits`: CPUs, bytes
+    available now), its visible GPUs, and in `sources` where each limit was read."""
+    from labkit.cluster import visible_gpus
+    from labkit.limits import read_limits
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return {"cpu_cores": cores, "memory_bytes": _available_memory_bytes(), "gpus": gpus}
+    limits = read_limits()
+    cpus = limits.cpus.value
+    return {"cpu_cores": int(cpus) if float(cpus).is_integer() else cpus, "memory_bytes": int(limits.memory.value),
+            "gpus": visible_gpus() or 0,
+            "sources": {"cpu_cores": str(limits.cpus), "memory_bytes": str(limits.memory)}}  # fmt: skip
+
+
+def notebook_placement(need: NotebookNeed, gpus: int | None) -> dict[str, Any]:
+    """Where `need`'s ranks run on a server with `gpus` GPUs, and why: {notebook, ranks, device,
+    gpus_needed (the GPUs per server that put it on GPUs: one per rank), why}. `cluster.choose_placement`
+    decides, as it does for `labkit.launch`."""
+    device = choose_placement(need.ranks, gpus).device_type
+    if device == "cuda":
+        why = f"one GPU per rank: {need.ranks} of the server's {gpus}"
+    elif gpus is None:
+        why = "NVML could not count this server's GPUs (MIG devices?)"
+    else:
+        why = f"{need.ranks} ranks need {need.ranks} GPUs (one each, for NCCL), the server has {gpus}"
+    return {"notebook": need.notebook, "ranks": need.ranks, "device": device, "gpus_needed": need.ranks,
+            "why": why}  # fmt: skip
 
 
 def class_report(
@@ -123,32 +143,34 @@ def class_report(
 
     Each student gets 1/N of the node: `ranks_per_core` x cores // N CPU ranks, and as many ~500 MiB ranks
     as memory / N holds beside the kernel's process; GPUs // N GPUs, so a notebook runs on `cuda` when that
-    is at least its ranks, else on CPU ranks. A notebook fits when N x its ranks <= ranks_per_core x cores
-    and N x its memory <= the node's memory; `max_students` is the largest N for which it fits.
+    is at least its ranks, else on CPU ranks (`notebook_placement`). A notebook fits when N x its ranks <=
+    ranks_per_core x cores and N x its memory <= the node's memory; `max_students` is the largest N for
+    which it fits.
 
-    Keys: students, node {cpu_cores, memory_bytes, gpus, ranks_per_core, rank_bytes}, per_student
+    Keys: students, node {cpu_cores, memory_bytes, gpus, ranks_per_core, rank_bytes, ...}, per_student
     {cpu_cores, memory_bytes, gpus, ranks}, notebooks [{notebook, ranks, models, memory_bytes, device,
-    fits_cores, fits_memory, fits, max_students}], fits, advice (one line per notebook that does not fit,
-    or one line saying the class fits).
+    gpus_needed, why, fits_cores, fits_memory, fits, max_students}], fits, advice (one line per notebook
+    that does not fit, or one line saying the class fits), gpu_advice (on a node with GPUs: where they go,
+    and the GPUs per student server that would put the CPU-rank notebooks on them).
     """
     if students < 1:
         raise ValueError(f"--class must be 1 or more students; got {students}")
     needs = notebook_needs() if needs is None else needs
     node = node_capacity() if node is None else node
     cores, memory, gpus = node["cpu_cores"], node["memory_bytes"], node["gpus"]
-    slots = RANKS_PER_CORE * cores  # CPU ranks the node runs at once
+    slots = math.floor(RANKS_PER_CORE * cores + 1e-9)  # CPU ranks the node runs at once
     mem_each = memory / students
     ranks_each = max(0, min(slots // students, int((mem_each - RANK_BYTES_ESTIMATE) // RANK_BYTES_ESTIMATE)))
     gpus_each = gpus // students
     rows = []
     for need in needs:
-        device = "cuda" if gpus_each >= need.ranks else "cpu"
         fits_cores = need.ranks * students <= slots
         fits_memory = need.memory_bytes * students <= memory
         # The most students for whom both hold (on GPUs while each has enough of them, on CPU ranks beyond):
         # a class of N fits exactly when N <= most.
         most = min(slots // need.ranks, memory // need.memory_bytes)
-        rows.append({**asdict(need), "models": list(need.models), "device": device, "fits_cores": fits_cores,
+        rows.append({**asdict(need), "models": list(need.models), **notebook_placement(need, gpus_each),
+                     "fits_cores": fits_cores,
                      "fits_memory": fits_memory, "fits": fits_cores and fits_memory,
                      "max_students": int(most)})  # fmt: skip
     report = {
@@ -164,6 +186,7 @@ def class_report(
         "fits": all(r["fits"] for r in rows),
     }
     report["advice"] = _advice(report)
+    report["gpu_advice"] = _gpu_advice(report)
     return report
 
 
@@ -176,8 +199,11 @@ def _advice(report: dict[str, Any]) -> list[str]:
     rows = report["notebooks"]
     if report["fits"]:
         big = max(rows, key=lambda r: r["ranks"])
+        idle = node["gpus"] and all(r["device"] == "cpu" for r in rows)
         return [
-            f"{n} student(s) fit: each may use {each['ranks']} ranks ({each['cpu_cores']:.2g} cores, "
+            f"{n} student(s) fit"
+            + (f" on CPU ranks, the node's {_count(node['gpus'], 'GPU')} unused" if idle else "")
+            + f": each may use {each['ranks']} ranks ({each['cpu_cores']:.2g} cores, "
             f"{_gb(each['memory_bytes'])}); the largest default is {big['ranks']} ranks ({big['notebook']})"
         ]
     lines = []
@@ -202,6 +228,35 @@ def _advice(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _gpu_advice(report: dict[str, Any]) -> list[str]:
+    """Where a GPU node's GPUs go, and the GPUs per student server that put each CPU-rank notebook on them."""
+    n, rows = report["students"], report["notebooks"]
+    gpus, each = report["node"]["gpus"], report["per_student"]["gpus"]
+    if not gpus:
+        return []
+    on_gpus = [r["notebook"] for r in rows if r["device"] == "cuda"]
+    if not on_gpus:
+        where = f"every notebook runs on CPU ranks: the {_count(gpus, 'GPU')} {'goes' if gpus == 1 else 'go'} unused"
+    elif len(on_gpus) == len(rows):
+        where = f"every notebook runs on GPUs ({each * n} of the {gpus} in use)"
+    else:
+        where = f"{', '.join(on_gpus)} run on GPUs, the others on CPU ranks"
+    share = (
+        f"this server has {gpus}" if n == 1 else f"each student server gets {each} ({gpus} // {n} students)"
+    )
+    lines = [f"GPUs: {share}, and NCCL needs one per rank: {where}"]
+    for k in sorted({r["gpus_needed"] for r in rows if r["device"] == "cpu"}):
+        named = [r["notebook"] for r in rows if r["ranks"] <= k]
+        what = "every notebook" if len(named) == len(rows) else ", ".join(named)
+        room = f"{gpus // k} such servers fit this node" if gpus >= k else f"this node has {gpus}"
+        lines.append(f"  {k} GPUs per student server would put {what} on GPUs ({room})")
+    return lines
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}" + ("" if n == 1 else "s")
+
+
 def format_class(report: dict[str, Any]) -> str:
     """The `--class` section of `labkit doctor`: a row per notebook, then the advice."""
     n, node, each = report["students"], report["node"], report["per_student"]
@@ -209,9 +264,10 @@ def format_class(report: dict[str, Any]) -> str:
         f"class of {n}: this node has {node['cpu_cores']} cpu cores, {_gb(node['memory_bytes'])} available, "
         f"{node['gpus']} gpus; each student gets {each['cpu_cores']:.2g} cores, {_gb(each['memory_bytes'])}, "
         f"{each['gpus']} gpus, {each['ranks']} ranks",
-        f"  {'notebook':<24} {'ranks':>5} {'memory':>8}  {'on':<4} {'fits':<4} {'most at once':>12}",
+        f"  {'notebook':<24} {'ranks':>5} {'memory':>8}  {'on':<4} {'fits':<4} {'most at once':>12}  why there",
     ]
     for r in report["notebooks"]:
         lines.append(f"  {r['notebook']:<24} {r['ranks']:>5} {_gb(r['memory_bytes']):>8}  {r['device']:<4} "
-                     f"{'yes' if r['fits'] else 'no':<4} {r['max_students']:>12}")  # fmt: skip
+                     f"{'yes' if r['fits'] else 'no':<4} {r['max_students']:>12}  {r['why']}")  # fmt: skip
+    lines += [f"  {line}" for line in report["gpu_advice"]]
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import json
+import math
 import mmap
 import os
 import re
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import collectives
+from labkit.limits import Limits, read_limits
 
 DEFAULT_TIMEOUT_S = 120.0
 RANK_BYTES_ESTIMATE = 500 * 2**20  # resident memory of one idle rank with torch imported (bytes)
@@ -77,16 +79,34 @@ class Placement:
 
 
 def max_ranks(device_type: str | None = None) -> int:
-    """How many ranks this machine can run at once (ranks).
+    """How many ranks this machine can run at once (ranks); `rank_limit` says which limit decides it."""
+    return rank_limit(device_type)[0]
 
-    GPU: one rank per visible device. CPU: four ranks per core (the lab's models are tiny and the ranks
-    spend most of their time waiting on each other), bounded by the memory available for ~500 MB ranks.
+
+def rank_limit(device_type: str | None = None, limits: Limits | None = None) -> tuple[int, str]:
+    """How many `device_type` ranks fit at once (ranks), and a phrase naming the limit that decides it.
+
+    Four ranks per CPU of the CPU limit (the lab's models are tiny and the ranks spend most of their time
+    waiting on each other), and as many ~500 MiB ranks as the memory limit holds: the container's or the
+    spawner's where they are smaller than the machine's (`labkit.limits.read_limits`). CUDA ranks also need
+    a visible GPU each. At least 1 CPU rank: one process always runs.
     """
     device_type = device_type or _default_placement().device_type
-    if device_type == "cuda":
-        return visible_gpus() or 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(RANKS_PER_CORE * cores, _available_memory_bytes() // RANK_BYTES_ESTIMATE))
+    limits = limits or read_limits()
+    by_cpus = math.floor(RANKS_PER_CORE * limits.cpus.value + 1e-9)
+    by_memory = int(limits.memory.value // RANK_BYTES_ESTIMATE)
+    gpus = (visible_gpus() or 0) if device_type == "cuda" else None
+    n = min(by_cpus, by_memory) if gpus is None else min(gpus, by_cpus, by_memory)
+    n = n if device_type == "cuda" else max(1, n)
+    ranks = f"{n} {device_type} rank" + ("" if n == 1 else "s")
+    if gpus == n:
+        return n, f"this machine shows {gpus} GPUs, which allows {ranks} (one GPU per rank)"
+    if by_memory < by_cpus:
+        return (
+            n,
+            f"the memory limit {limits.memory} allows {ranks} of about {RANK_BYTES_ESTIMATE >> 20} MiB each",
+        )
+    return n, f"the CPU limit {limits.cpus} allows {ranks} ({RANKS_PER_CORE} per CPU)"
 
 
 def visible_gpus() -> int | None:
@@ -231,12 +251,9 @@ def launch(
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: pass a whole number of ranks, 1 or more")
     where = placement(world_size, device_type)
-    limit = max_ranks(where.device_type)
+    limit, why = rank_limit(where.device_type)
     if world_size > limit:
-        raise ValueError(
-            f"world_size={world_size} but this machine can run {limit} {where.device_type} ranks; "
-            f"pass world_size<={limit}"
-        )
+        raise ValueError(f"world_size={world_size}: {why}; pass world_size<={limit}")
     if start_method is not None:
         where = Placement(where.backend, where.device_type, start_method)
     return _Run(fn, args, kwargs, world_size, where, timeout).run()
@@ -566,15 +583,6 @@ def _tail_text(path: str, max_lines: int = 20) -> str:
             return "".join(f.readlines()[-max_lines:]).rstrip()
     except OSError:
         return ""
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return 8 * 2**30
 
 
 _HANDLED_SIGNALS = [

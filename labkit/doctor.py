@@ -4,8 +4,11 @@ It reads versions, devices, the backend and rank limit `labkit.launch` will use,
 (CUDA_HOME, nvcc), whether DeepSpeed's ops are built (CPU ops, and on a GPU node the CUDA ops
 `prebuild.plan_ops` plans: by looking at their build folders, never by building them) and whether the
 `labkit` Jupyter kernel is registered, then runs one all-reduce on 2 ranks and times it. Each thing that is missing
-becomes one line of advice in `problems`. With `students=N` (`labkit doctor --class N`) it also says
-whether N students running the course notebooks at once fit on this node (`labkit.classroom`).
+becomes one line of advice in `problems`. It reports the limits that bound the ranks (a container's cgroup,
+the spawner's CPU_LIMIT / MEM_LIMIT, `labkit.limits`), whether /dev/shm holds what DeepSpeed's CPU comm
+(or NCCL) needs for the notebooks' ranks, and where each course notebook's ranks run on this server (GPUs
+or CPU ranks, and why). With `students=N` (`labkit doctor --class N`) it also says whether N students
+running the course notebooks at once fit on this node (`labkit.classroom`).
 """
 
 from __future__ import annotations
@@ -29,14 +32,15 @@ SETUP_ADVICE = "run `make lab` (or `make test`) in the labkit checkout"
 def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
     """Check this machine and return a JSON-ready dict; `problems` lists one line of advice per gap.
 
-    Keys: versions, pinned, devices, backend, max_ranks, max_ranks_by_device, toolchain, deepspeed_ops,
-    ninja, kernel, smoke_test, problems, ok, and `class` when `students` is given (`classroom.class_report`;
-    each notebook that does not fit that class adds its line of advice to `problems`). `smoke=False` skips
-    the 2-rank all-reduce (about 3 s on 2 cores).
+    Keys: versions, pinned, devices, backend, limits, max_ranks, max_ranks_by_device, notebooks (where each
+    course notebook's ranks run here: `classroom.notebook_placement`), toolchain, deepspeed_ops, ninja,
+    kernel, smoke_test, problems, ok, and `class` when `students` is given (`classroom.class_report`; each
+    notebook that does not fit that class adds its line of advice to `problems`). `smoke=False` skips the
+    2-rank all-reduce (about 3 s on 2 cores).
     """
     import torch
 
-    from labkit import cluster, prebuild
+    from labkit import cluster, limits, prebuild
 
     problems: list[str] = []
     versions = _versions(torch.__version__)
@@ -52,12 +56,15 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
     where = cluster.placement(SMOKE_WORLD_SIZE)
     backend = {"world_size": SMOKE_WORLD_SIZE, "backend": where.backend, "device_type": where.device_type,
                "start_method": where.start_method}  # fmt: skip
-    max_ranks = cluster.max_ranks()
-    by_device = {"cpu": cluster.max_ranks("cpu")}
+    found = limits.read_limits()
+    max_ranks, why = cluster.rank_limit(None, found)
+    by_device = {"cpu": cluster.rank_limit("cpu", found)[0]}
     if cluster.visible_gpus():
-        by_device["cuda"] = cluster.max_ranks("cuda")
+        by_device["cuda"] = cluster.rank_limit("cuda", found)[0]
     if max(by_device.values()) < SMOKE_WORLD_SIZE:
-        problems.append(f"this machine can run only {max(by_device.values())} rank; the lab needs at least 2")
+        problems.append(f"{why}; the lab needs at least {SMOKE_WORLD_SIZE}: raise that limit")
+    notebooks = _notebook_placements()
+    _shm(problems, found, notebooks)
 
     tc = prebuild.toolchain()
     toolchain = {"cuda_home": tc.cuda_home, "nvcc": shutil.which("nvcc"), "nvcc_release": tc.nvcc_release,
@@ -94,8 +101,18 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
         "pinned": pinned,
         "devices": devices,
         "backend": backend,
+        "limits": {
+            "cpus": found.cpus.value,
+            "cpus_source": found.cpus.source,
+            "memory_bytes": int(found.memory.value),
+            "memory_source": found.memory.source,
+            "shm_free_bytes": int(found.shm.value),
+            "shm_total_bytes": found.shm_total_bytes,
+            "ranks_bound_by": why,
+        },  # fmt: skip
         "max_ranks": max_ranks,
         "max_ranks_by_device": by_device,
+        "notebooks": notebooks,
         "toolchain": toolchain,
         "deepspeed_ops": ops,
         "ninja": ninja,
@@ -105,6 +122,34 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
         "ok": not problems,
         **extra,
     }
+
+
+def _notebook_placements() -> list[dict[str, Any]]:
+    """Where each course notebook's ranks run on this server, and why (none without a course checkout)."""
+    from labkit import classroom, cluster
+
+    try:
+        needs = classroom.notebook_needs()
+    except ValueError:
+        return []
+    gpus = cluster.visible_gpus()
+    return [classroom.notebook_placement(need, gpus) for need in needs]
+
+
+def _shm(problems: list[str], found, notebooks: list[dict[str, Any]]) -> None:
+    """One line of advice when /dev/shm cannot hold the largest notebook's ranks: DeepSpeed's CPU comm
+    workspaces on CPU ranks, NCCL's segments (its guide's 1 GiB) on GPU ranks."""
+    from labkit import limits
+
+    cpu = [r["ranks"] for r in notebooks if r["device"] == "cpu"] if notebooks else [SMOKE_WORLD_SIZE]
+    refusal = cpu and limits.deepspeed_shm_refusal(max(cpu), found, f"the notebooks' {max(cpu)} CPU ranks")
+    if refusal:
+        problems.append(refusal)
+    if any(r["device"] == "cuda" for r in notebooks) and found.shm_total_bytes < limits.NCCL_SHM_BYTES:
+        problems.append(
+            f"/dev/shm is {found.shm_total_bytes / 1e9:.2f} GB and NCCL's troubleshooting guide asks for 1 GiB for "
+            f"the notebooks' GPU ranks: give the server a larger /dev/shm ({limits.SHM_ADVICE})"
+        )
 
 
 def _versions(torch_version: str) -> dict[str, str | None]:
@@ -261,6 +306,7 @@ def format_report(report: dict[str, Any]) -> str:
         report["smoke_test"],
         report["toolchain"],
     )
+    lim = report["limits"]
     rows = [(name, version or "not installed") for name, version in v.items()]
     rows += [
         ("devices", f"{report['devices']['summary']} ({report['devices']['cpu_cores']} cpu cores)"),
@@ -268,7 +314,13 @@ def format_report(report: dict[str, Any]) -> str:
             "backend",
             f"{b['backend']} on {b['device_type']}, {b['start_method']} (for {b['world_size']} ranks)",
         ),
-        ("max ranks", f"{report['max_ranks']} " + str(report["max_ranks_by_device"])),
+        (
+            "limits",
+            f"{lim['cpus']:g} CPUs ({lim['cpus_source']}), {lim['memory_bytes'] / 1e9:.1f} GB of memory "
+            f"({lim['memory_source']}), /dev/shm {lim['shm_free_bytes'] / 1e9:.2f} GB free of "
+            f"{lim['shm_total_bytes'] / 1e9:.2f} GB",
+        ),
+        ("max ranks", f"{report['max_ranks']} {report['max_ranks_by_device']}: {lim['ranks_bound_by']}"),
         ("deepspeed ops", ", ".join(f"{n} {st}" for n, st in ops["ops"].items())),
         ("extensions dir", ops["extensions_dir"]),
         ("CUDA_HOME", t["cuda_home"] or "not found"),
@@ -293,6 +345,13 @@ def format_report(report: dict[str, Any]) -> str:
         rows.append(("smoke test", f"FAILED: {s['error'] or s['values']}"))
     width = max(len(name) for name, _ in rows)
     lines = [f"  {name:<{width}}  {value}" for name, value in rows]
+    if report["notebooks"]:
+        gpus = report["toolchain"]["visible_gpus"]
+        lines.append(f"notebooks on this server ({gpus or 0} GPUs):")
+        lines += [
+            f"  {r['notebook']:<24} {r['ranks']} ranks on {r['device']:<4} {r['why']}"
+            for r in report["notebooks"]
+        ]
     if "class" in report:
         from labkit.classroom import format_class
 

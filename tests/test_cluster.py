@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.cluster import LaunchError, LaunchTimeout, max_ranks
+from labkit.cluster import LaunchError, LaunchTimeout, max_ranks, rank_limit
 
 PY = sys.executable
 
@@ -121,9 +121,11 @@ def test_a_world_size_that_is_not_a_positive_whole_number_fails_before_anything_
 
 
 def test_more_ranks_than_the_machine_can_run_is_refused_with_the_limit():
-    limit = max_ranks()
-    with pytest.raises(ValueError, match=f"this machine can run {limit} cpu ranks; pass world_size<={limit}"):
-        labkit.launch(_sum_of_ranks, limit + 1)
+    limit, why = rank_limit("cpu")
+    assert limit == max_ranks("cpu")
+    with pytest.raises(ValueError) as refused:
+        labkit.launch(_sum_of_ranks, limit + 1, device_type="cpu")
+    assert str(refused.value) == f"world_size={limit + 1}: {why}; pass world_size<={limit}"
 
 
 def test_launch_inside_a_rank_is_refused():

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import cluster, doctor, prebuild
+from labkit import classroom, cluster, doctor, limits, prebuild
 from labkit.cli import main
 
-KEYS = {"versions", "pinned", "devices", "backend", "max_ranks", "max_ranks_by_device", "toolchain",
-        "deepspeed_ops", "ninja", "kernel", "smoke_test", "problems", "ok"}  # fmt: skip
+KEYS = {"versions", "pinned", "devices", "backend", "limits", "max_ranks", "max_ranks_by_device", "notebooks",
+        "toolchain", "deepspeed_ops", "ninja", "kernel", "smoke_test", "problems", "ok"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,13 @@ def test_json_report_is_real(cli_json):
                                  "start_method": where.start_method}  # fmt: skip
     assert report["max_ranks"] == cluster.max_ranks()
     assert report["max_ranks_by_device"]["cpu"] == cluster.max_ranks("cpu")
+    lim, now = report["limits"], limits.read_limits()
+    assert (lim["cpus"], lim["cpus_source"]) == (now.cpus.value, now.cpus.source)
+    assert (
+        lim["memory_source"] == now.memory.source
+        and abs(lim["memory_bytes"] - now.memory.value) < 0.25 * now.memory.value
+    )
+    assert lim["shm_total_bytes"] == now.shm_total_bytes and lim["ranks_bound_by"] == cluster.rank_limit()[1]
     if not torch.cuda.is_available():
         assert report["devices"]["summary"] == "cpu only" and report["devices"]["cuda_count"] == 0
     ops = report["deepspeed_ops"]
@@ -231,3 +238,86 @@ def test_on_this_machine_the_doctor_plans_what_it_reports(cli_json):
     tc = report["toolchain"]
     assert tc["torch_cuda"] == torch.version.cuda and tc["visible_gpus"] == cluster.visible_gpus()
     assert ("cuda_ops" in report["deepspeed_ops"]) == bool(tc["torch_cuda"] and tc["visible_gpus"])
+
+
+# ----------------------------------------------------------------------- where each notebook's ranks run
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_the_doctor_says_where_each_notebooks_ranks_run(gpus, monkeypatch):
+    """A made-up 1-GPU and 8-GPU server: NCCL needs one GPU per rank, so a notebook is on GPUs only where
+    the server has at least its ranks."""
+    monkeypatch.setattr(cluster, "visible_gpus", lambda: gpus)
+    report = doctor.diagnose(smoke=False)
+    needs = {n.notebook: n.ranks for n in classroom.notebook_needs()}
+    rows = {r["notebook"]: r for r in report["notebooks"]}
+    assert {name: r["ranks"] for name, r in rows.items()} == needs
+    table = doctor.format_report(report)
+    for name, ranks in needs.items():
+        row = rows[name]
+        assert row["gpus_needed"] == ranks
+        if gpus >= ranks:
+            assert (row["device"], row["why"]) == (
+                "cuda",
+                f"one GPU per rank: {ranks} of the server's {gpus}",
+            )
+        else:
+            assert row["device"] == "cpu"
+            assert (
+                row["why"] == f"{ranks} ranks need {ranks} GPUs (one each, for NCCL), the server has {gpus}"
+            )
+        assert f"  {name:<24} {ranks} ranks on {row['device']:<4} {row['why']}" in table.splitlines()
+    if gpus == 1:
+        assert {r["device"] for r in rows.values()} == {"cpu"}, (
+            "a 1-GPU server runs every notebook on CPU ranks"
+        )
+
+
+def test_doctor_class_30_on_an_8_gpu_node_says_the_gpus_go_unused(monkeypatch, capsys):
+    node = {"cpu_cores": 64, "memory_bytes": 512 * 10**9, "gpus": 8}
+    monkeypatch.setattr(classroom, "node_capacity", lambda: node)
+    main(["doctor", "--skip-smoke", "--class", "30"])
+    out = capsys.readouterr().out
+    needs = classroom.notebook_needs()
+    assert "30 student(s) fit on CPU ranks, the node's 8 GPUs unused: each may use" in out
+    assert (
+        "GPUs: each student server gets 0 (8 // 30 students), and NCCL needs one per rank: every notebook runs "
+        "on CPU ranks: the 8 GPUs go unused"
+    ) in out
+    for k in sorted({n.ranks for n in needs}):
+        named = [n.notebook for n in needs if n.ranks <= k]
+        what = "every notebook" if len(named) == len(needs) else ", ".join(named)
+        assert (
+            f"{k} GPUs per student server would put {what} on GPUs ({8 // k} such servers fit this node)"
+            in out
+        )
+    # Two students get 4 GPUs each: every notebook (2 to 4 ranks) on GPUs.
+    two = classroom.class_report(2, needs, node)
+    assert {r["device"] for r in two["notebooks"]} == {"cuda"} and two["advice"][0].startswith(
+        "2 student(s) fit:"
+    )
+    assert two["gpu_advice"] == [
+        "GPUs: each student server gets 4 (8 // 2 students), and NCCL needs one per rank: every notebook runs on "
+        "GPUs (8 of the 8 in use)"
+    ]
+
+
+def test_a_small_dev_shm_is_a_problem(monkeypatch):
+    monkeypatch.setattr(limits, "_shm_bytes", lambda path: (64 * 2**20, 64 * 2**20))  # Docker's default
+    report = doctor.diagnose(smoke=False)
+    ranks = max(r["ranks"] for r in report["notebooks"] if r["device"] == "cpu")
+    assert report["limits"]["shm_free_bytes"] == report["limits"]["shm_total_bytes"] == 64 * 2**20
+    assert (
+        f"the notebooks' {ranks} CPU ranks: DeepSpeed's CPU comm maps 66 MiB per rank into /dev/shm and "
+        f"/dev/shm free=0.1 GB holds 0; give the server a larger /dev/shm ({limits.SHM_ADVICE})"
+    ) in report["problems"]
+    assert not report["ok"]
+
+
+def test_container_limits_bound_the_doctors_ranks(monkeypatch):
+    monkeypatch.setenv("MEM_LIMIT", "1500000000")
+    report = doctor.diagnose(smoke=False)
+    assert report["limits"]["memory_source"] == "MEM_LIMIT" and report["max_ranks_by_device"]["cpu"] == 2
+    assert report["limits"]["ranks_bound_by"] == (
+        "the memory limit MEM_LIMIT=1.5 GB allows 2 cpu ranks of about 500 MiB each"
+    )

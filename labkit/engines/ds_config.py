@@ -187,8 +187,16 @@ def hpz_node_size(world_size: int) -> int:
 
 
 def check_run(cfg: RunConfig) -> None:
-    """What the deepspeed engine cannot run, refused in the parent: the config's own checks."""
+    """What the deepspeed engine cannot run, refused in the parent: the config's own checks, and CPU ranks
+    whose comm workspaces /dev/shm cannot hold (`limits.deepspeed_shm_refusal`; a launcher's ranks exist
+    already, each with its own workspace in /dev/shm, so there it is not asked)."""
     ds_config(cfg, cfg.world_size)
+    from labkit import cluster, limits
+
+    if not cluster.under_launcher() and cluster.placement(cfg.world_size).device_type == "cpu":
+        refusal = limits.deepspeed_shm_refusal(cfg.world_size)
+        if refusal:
+            raise ValueError(refusal)
 
 
 def ds_config(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, Any]:
