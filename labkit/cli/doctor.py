@@ -11,7 +11,7 @@ import sys
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "doctor",
-        help="check versions, devices, backend, DeepSpeed ops, the Jupyter kernel; run a 2-rank all_reduce",
+        help="check versions, devices, limits, backend, DeepSpeed ops, the Jupyter kernel; run a 2-rank all_reduce",
         description="Check that this machine is ready for the lab. Exit status 1, with one line of advice "
         "per problem, when something is missing.",
     )
@@ -25,8 +25,9 @@ def register(subparsers) -> None:
         metavar="N",
         type=int,
         default=None,
-        help="N students share this node: how many ranks each may use, and which notebooks' defaults fit "
-        "(cores and memory), with one line of advice per notebook that does not",
+        help="N students share this node: how many ranks each may use, which notebooks' defaults fit "
+        "(cores and memory), with one line of advice per notebook that does not, and where each notebook's "
+        "ranks run (GPUs or CPU ranks) with the GPUs per student server that would put them on GPUs",
     )
     p.set_defaults(func=run)
 
