@@ -139,6 +139,10 @@ def test_a_mem_limit_that_is_not_a_size_is_one_sentence():
 # ---------------------------------------------------------------------------------- what the cluster allows
 
 
+def _rank() -> int:
+    return 0
+
+
 def test_fake_cgroup_changes_max_ranks(tmp_path, monkeypatch):
     root = _v2_tree(tmp_path)
     monkeypatch.setattr(cluster, "read_limits", lambda: limits.read_limits(root, environ={}))
@@ -148,14 +152,14 @@ def test_fake_cgroup_changes_max_ranks(tmp_path, monkeypatch):
     assert cluster.rank_limit("cpu")[1] == (
         "the memory limit cgroup v2 memory.max=1.5 GB allows 2 cpu ranks of about 500 MiB each"
     )
+    with pytest.raises(
+        ValueError, match=r"^world_size=3: the memory limit cgroup v2 memory\.max=1\.5 GB allows 2 "
+    ):
+        labkit.launch(_rank, 3, device_type="cpu")
     monkeypatch.setattr(
         cluster, "read_limits", lambda: limits.read_limits(root, environ={"CPU_LIMIT": "0.25"})
     )
     assert cluster.rank_limit("cpu") == (1, "the CPU limit CPU_LIMIT=0.25 CPUs allows 1 cpu rank (4 per CPU)")
-
-
-def _rank() -> int:
-    return 0
 
 
 def test_mem_limit_refuses_a_launch_that_cannot_fit_before_any_rank_starts(monkeypatch):
