@@ -803,3 +803,31 @@ def test_sizes_parse_as_powers_of_1024():
     assert sandbox.parse_size("1.5GiB") == 3 * 2**29 and sandbox.parse_size("1000") == 1000
     with pytest.raises(ValueError):
         sandbox.parse_size("lots")
+
+
+@pytest.mark.skipif(not sandbox.bwrap_usable(), reason="bubblewrap cannot build a sandbox here")
+def test_the_sandbox_runs_an_interpreter_reached_through_a_symlink_under_tmp(tmp_path):
+    """A venv linked into /tmp (a worktree's `.venv -> ../main/.venv`): the sandbox binds real paths and
+    mounts its own /tmp, yet the child starts, sees the folder under /tmp it was given, and not the rest."""
+    linked = tmp_path / "checkout" / ".venv"
+    linked.parent.mkdir()
+    linked.symlink_to(Path(sys.executable).parent.parent)
+    (tmp_path / "secret.txt").write_text("another folder under /tmp")
+    work = tmp_path / "checkout" / "work"
+    work.mkdir()
+    script = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from labkit.grading import sandbox\n"
+        "child = 'import os, sys; print(sys.prefix, os.listdir(\".\"), os.path.exists(sys.argv[1]))'\n"
+        "out = sandbox.run([sys.executable, '-c', child, sys.argv[2]], Path(sys.argv[1]), 60, "
+        "Path(sys.argv[1]) / 'log', limits=sandbox.Limits(sandbox='bwrap'))\n"
+        "print(out.returncode, (Path(sys.argv[1]) / 'log').read_text())\n"
+    )
+    (work / "marker").write_text("")
+    done = subprocess.run([str(linked / "bin" / "python"), "-c", script, str(work), str(tmp_path / "secret.txt")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    status, prefix, rest = done.stdout.strip().split(" ", 2)
+    assert status == "0" and os.path.realpath(prefix) == os.path.realpath(sys.prefix), done.stdout
+    assert "'marker'" in rest and rest.endswith("False"), done.stdout

@@ -133,6 +133,8 @@ def run(cmd: list[str], cwd: Path, timeout_s: float, log_path: Path, env: dict |
     if sandbox == "bwrap":
         home = Path(writable or cwd) / ".home"
         _prepare_home(home)
+        if inner and inner[0] == sys.executable:
+            inner[0] = _interpreter_path()
         inner = bwrap_argv(Path(writable or cwd), cwd, _sandbox_env(child_env, home)) + inner
         containment["sandbox"] = (
             "bwrap: read-only system and labkit, own folder, no network, own /tmp and pids"
@@ -393,6 +395,12 @@ def resolve_sandbox(choice: str) -> str:
     return choice
 
 
+def _interpreter_path() -> str:
+    """This interpreter at a path the sandbox has: its folder's symlinks resolved (the sandbox binds real
+    paths only), its own name kept (a venv's `bin/python` link must stay the venv's, not the base Python)."""
+    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+
+
 def _read_only_roots() -> list[str]:
     """What a sandboxed Python needs to see: the system, the interpreter, the environment, labkit itself."""
     import labkit
@@ -411,11 +419,12 @@ def bwrap_argv(writable: Path, cwd: Path, env: dict[str, str]) -> list[str]:
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
+    # The private /dev and /tmp first: an environment or a checkout under /tmp is bound on top of it.
+    argv += ["--dev", "/dev", "--tmpfs", "/dev/shm", "--proc", "/proc", "--tmpfs", "/tmp"]
     for root in _read_only_roots():
         argv += ["--ro-bind", root, root]
     argv += [arg for f in _MASKED_FILES if os.path.exists(f) for arg in ("--ro-bind", "/dev/null", f)]
     argv += [arg for d in _MASKED_DIRS if os.path.isdir(d) for arg in ("--tmpfs", d)]
-    argv += ["--dev", "/dev", "--tmpfs", "/dev/shm", "--proc", "/proc", "--tmpfs", "/tmp"]
     argv += [arg for dev in sorted(glob.glob("/dev/nvidia*")) for arg in ("--dev-bind", dev, dev)]
     argv += ["--bind", str(writable), str(writable), "--chdir", str(cwd)]
     for key, value in env.items():
