@@ -1,35 +1,48 @@
-"""reveal.js decks of the course notebooks: one deck per notebook and an index page, viewable with no network.
+"""reveal.js decks of the course notebooks, made for a room: one deck per notebook and an index page, offline.
 
-Each deck is nbconvert's `SlidesExporter` output. The cells' `slideshow.slide_type` metadata places them
-(slide, subslide, fragment, skip, notes; "-" continues the current slide), cells tagged `notebook-only`
-(live widgets, sliders) are dropped with `TagRemovePreprocessor`, and a widget output that carries a static
-PNG/HTML fallback (labkit's calculators do) shows the fallback.
+Each deck is nbconvert's `SlidesExporter` output of the notebook after `room_notebook`. The cells'
+`slideshow.slide_type` metadata places them (slide, subslide, fragment, skip, notes; "-" continues the
+current slide). For the room:
+- code is hidden (outputs only) unless its cell is tagged `slide-code`; plumbing never shows: the papermill
+  `parameters` cell, cells tagged `notebook-only` (live widgets, sliders), stderr output (warnings), and a
+  continuing code cell left with no output;
+- prose is split by one rule (`split_prose`): headings, tables and images stay on the slide, and so does the
+  lead, the first sentence of the cell's first paragraph (of its first item, for a list), and the first
+  sentence of each later paragraph that opens with a bold label (`**Remember:**`, `**Exercise:**`); a kept
+  sentence over `LEAD_MAX_CHARS` is cut at a clause boundary with "…". Every paragraph not shown whole goes,
+  in full, into the slide's speaker notes (`<aside class="notes">`, reveal.js's `s` key);
+- the template (`slides_template/labkit_reveal`) sets a 1280x720 slide with projector-sized type, shows a
+  widget output's static PNG/HTML fallback, and fits each slide when it is shown: figures shrink to the height
+  left beside the text, then the slide's content is zoomed down until it fits (width and height).
 
-No asset is fetched at view time. nbconvert 7's reveal template loads reveal.js from a CDN by default
-(`SlidesExporter.reveal_url_prefix` = `https://unpkg.com/reveal.js@4.0.2`), RequireJS, jQuery and Mermaid from
-cdnjs, and MathJax from cdnjs. Here the decks use labkit's own template (`slides_template/labkit_reveal`:
-no jQuery, Mermaid, MathJax or widget manager — the course's outputs are text and PNG) and a relative
-`reveal_url_prefix`, `reveal.js`, which `build` fills from `labkit/slides_assets` (reveal.js 4.0.2 and
-RequireJS, vendored, MIT); so the output folder is self-contained: copy it anywhere, open `index.html`.
-Pass `reveal_url_prefix` (`--reveal-url-prefix` on the CLI) to use another copy of reveal.js instead.
+The decks show the run's figures only if built from executed notebooks: point `notebooks_dir` at executed
+copies (e.g. papermill's) or pass `execute=True` to run each one first (minutes: every notebook runs); with
+`execute=True` figures are rendered at `SLIDE_DPI` (twice the notebook's) so they read from the back of a
+room. Without either, the committed notebooks carry no outputs and the decks show prose only.
 
-By default the decks are built from the notebooks as they are (committed notebooks carry no outputs, so
-the decks show prose and code); point `notebooks_dir` at executed copies (e.g. papermill's) for decks with
-figures, or pass `execute=True` to execute each notebook first (minutes on a laptop: every notebook runs).
+No asset is fetched at view time. nbconvert 7's reveal template loads reveal.js, RequireJS, jQuery, Mermaid
+and MathJax from CDNs; labkit's template drops jQuery, Mermaid, MathJax and the widget manager (the course's
+outputs are text and PNG) and uses a relative `reveal_url_prefix`, `reveal.js`, which `build` fills from
+`labkit/slides_assets` (reveal.js 4.0.2 and RequireJS, vendored, MIT); so the output folder is
+self-contained: copy it anywhere, open `index.html`. Pass `reveal_url_prefix` (`--reveal-url-prefix`) to use
+another copy of reveal.js instead.
 
-Beside each deck goes its one-page cheat sheet, `<name>.cheatsheet.md` and `.cheatsheet.html` (printable),
-from `docs/cheatsheets/<name>.md`: the key formula, the figure to remember, the common mistake. The sheet's
-`{{figure}}` becomes the line of the notebook's own output that its `<!-- figure: REGEX -->` finds, so a
-sheet built from an executed notebook quotes that run; without outputs it says so.
+The index page lists each deck's title, run time (measured: this build's execution, or papermill's recorded
+duration; else the notebook's own "How long" sentence) and cheat sheet. The sheet, `<name>.cheatsheet.md` and
+`.cheatsheet.html` (printable), comes from `docs/cheatsheets/<name>.md`: the key formula, the figure to
+remember, the common mistake. Its `{{figure}}` becomes the line of the notebook's own output that its
+`<!-- figure: REGEX -->` finds, so a sheet built from an executed notebook quotes that run.
 """
 
 from __future__ import annotations
 
 import html
+import json
 import re
 import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import nbformat
 
@@ -45,6 +58,11 @@ FIGURE_SPEC = re.compile(r"^<!--\s*figure:\s*(?P<pattern>.+?)\s*-->\n", re.M)
 FIGURE_SLOT = "{{figure}}"
 LOCAL_REVEAL_PREFIX = "reveal.js"  # relative to the deck: `build` copies the vendored reveal.js there
 DROP_TAG = "notebook-only"
+PARAMETERS_TAG = "parameters"  # papermill's
+SHOW_CODE_TAG = "slide-code"  # the rare cell whose code a slide must show
+LEAD_MAX_CHARS = 200  # a sentence kept on a slide longer than this is cut at a clause boundary
+SLIDE_DPI = 200  # figures of an `execute=True` build (the notebooks draw at 100)
+STATED_RUN_TIME = re.compile(r"\*\*How long\.\*\*\s*(?P<text>.+?[.!?])(?=\s|$)", re.S)
 NOTEBOOK_PATTERN = re.compile(r"^\d\d_.*\.ipynb$")
 
 
@@ -73,15 +91,100 @@ def title_of(nb: nbformat.NotebookNode, fallback: str) -> str:
     return fallback
 
 
+# Run first in a kernel executing for slides: labkit's figures (and pyplot's) are drawn at SLIDE_DPI.
+HIGH_DPI_CELL = f"""\
+from IPython import get_ipython
+from matplotlib.figure import Figure
+from labkit import plots
+get_ipython().display_formatter.formatters["image/png"].for_type(
+    Figure, lambda fig: plots.figure_png(fig, dpi={SLIDE_DPI})
+)
+%config InlineBackend.print_figure_kwargs = {{"bbox_inches": "tight", "dpi": {SLIDE_DPI}}}
+"""
+
+
 def execute_notebook(path: Path, timeout_s: float = 600.0) -> nbformat.NotebookNode:
-    """`path` executed top to bottom in its own folder with the `labkit` kernel (nothing is written back)."""
+    """`path` executed top to bottom in its own folder with the `labkit` kernel, figures at `SLIDE_DPI`
+    (nothing is written back; the set-up cell that raises the resolution is not in the result)."""
     from nbconvert.preprocessors import ExecutePreprocessor
 
     nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(HIGH_DPI_CELL))
     ExecutePreprocessor(timeout=int(timeout_s), kernel_name=KERNEL_NAME).preprocess(
         nb, {"metadata": {"path": str(path.parent)}}
     )
+    del nb.cells[0]
     return nb
+
+
+# ------------------------------------------------------------------------------------------ prose
+
+SENTENCE_END = re.compile(r"""(?<!e\.g)(?<!i\.e)(?<!\bvs)[.!?](?:\*\*)?(?=\s+[A-Z*`(\["']|\s*$)""")
+CLAUSE_BREAK = re.compile(r"[,;:] | — ")
+BOLD_LABEL_CHARS = 30  # a first "sentence" this short that is all bold ("**What you will see.**") is a label
+
+
+def _blocks(source: str) -> list[str]:
+    """Markdown paragraphs (blank-line separated), each heading line a block of its own."""
+    blocks = []
+    for para in re.split(r"\n\s*\n", source.strip()):
+        lines: list[str] = []
+        for line in para.splitlines():
+            if line.startswith("#"):
+                blocks += ["\n".join(lines)] if lines else []
+                blocks.append(line)
+                lines = []
+            else:
+                lines.append(line)
+        blocks += ["\n".join(lines)] if lines else []
+    return blocks
+
+
+def _balanced(text: str) -> bool:
+    """No code span, bold run, link or parenthesis left open (a cut there would break the Markdown)."""
+    return (text.count("`") % 2 == 0 and text.count("**") % 2 == 0
+            and text.count("[") == text.count("]") and text.count("(") == text.count(")"))  # fmt: skip
+
+
+def _shortened(sentence: str) -> str:
+    """`sentence`, or its longest balanced clause prefix under LEAD_MAX_CHARS followed by "…"."""
+    if len(sentence) <= LEAD_MAX_CHARS:
+        return sentence
+    cuts = [m.start() for m in CLAUSE_BREAK.finditer(sentence, 0, LEAD_MAX_CHARS)]
+    cuts = [c for c in cuts if _balanced(sentence[:c])]
+    return sentence[: cuts[-1]] + " …" if cuts else sentence
+
+
+def first_sentence(paragraph: str) -> str:
+    """The paragraph's first sentence on one line (two when the first is only a bold label), shortened."""
+    text = " ".join(paragraph.split())
+    ends = [m.end() for m in SENTENCE_END.finditer(text)]
+    if not ends:
+        return _shortened(text)
+    end = ends[0]
+    label = text[:end]
+    if label.startswith("**") and label.endswith("**") and len(label) <= BOLD_LABEL_CHARS and len(ends) > 1:
+        end = ends[1]
+    return _shortened(text[:end])
+
+
+def split_prose(source: str) -> tuple[str, str]:
+    """(what a slide shows, its speaker notes) of one Markdown cell, by the rule in the module docstring."""
+    shown, notes, lead_taken = [], [], False
+    for block in _blocks(source):
+        if block.startswith(("#", "|", "![")):
+            shown.append(block)
+            continue
+        bullet = re.match(r"(\s*(?:[-*+]|\d+\.)\s+)", block)
+        if not lead_taken or block.startswith("**"):
+            body = re.split(r"\n\s*(?:[-*+]|\d+\.)\s+", block[bullet.end() :])[0] if bullet else block
+            kept = (bullet.group(1).strip() + " " if bullet else "") + first_sentence(body)
+            shown.append(kept)
+            lead_taken = True
+            if kept == " ".join(block.split()):
+                continue
+        notes.append(block)
+    return "\n\n".join(shown), "\n\n".join(notes)
 
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -98,8 +201,44 @@ def static_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return nb
 
 
+def _tags(cell) -> list[str]:
+    return cell.metadata.get("tags", [])
+
+
+def _opens_slide(cell) -> bool:
+    return cell.metadata.get("slideshow", {}).get("slide_type", "-") in ("slide", "subslide")
+
+
+def _room_cells(cell) -> list:
+    """What a room sees of one cell: [] for plumbing, a code cell's output without stderr, a Markdown cell
+    split into the slide's part and a `notes` cell (the rest of its prose)."""
+    if DROP_TAG in _tags(cell) or PARAMETERS_TAG in _tags(cell):
+        return []
+    if cell.cell_type == "code":
+        cell.outputs = [o for o in cell.get("outputs", []) if o.get("name") != "stderr"]
+        shown = cell.outputs or SHOW_CODE_TAG in _tags(cell) or _opens_slide(cell)
+        return [cell] if shown else []
+    if cell.cell_type != "markdown":
+        return [cell]
+    slide_part, notes = split_prose(cell.source)
+    cell.source = slide_part
+    if not notes:
+        return [cell]
+    notes_cell = nbformat.v4.new_markdown_cell(notes, metadata={"slideshow": {"slide_type": "notes"}})
+    notes_cell.id = f"{cell.get('id', 'cell')}-notes"
+    return [cell, notes_cell]
+
+
+def room_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A copy of `nb` as a room sees it (the rule in the module docstring); widgets shown static."""
+    copy = nbformat.from_dict(json.loads(json.dumps(nb)))
+    # Dropped before the exporter reads the slide boundaries: a dropped cell must not open or end a slide.
+    copy.cells = [kept for cell in copy.cells for kept in _room_cells(cell)]
+    return static_outputs(copy)
+
+
 def slides_html(nb: nbformat.NotebookNode, reveal_url_prefix: str = LOCAL_REVEAL_PREFIX) -> str:
-    """One notebook as a reveal.js deck (HTML text), `notebook-only` cells dropped, widgets shown static."""
+    """One notebook as a reveal.js deck for a room (HTML text): see `room_notebook`."""
     from nbconvert import SlidesExporter
     from traitlets.config import Config
 
@@ -107,12 +246,14 @@ def slides_html(nb: nbformat.NotebookNode, reveal_url_prefix: str = LOCAL_REVEAL
     config.SlidesExporter.reveal_url_prefix = reveal_url_prefix
     config.SlidesExporter.reveal_theme = "white"
     config.SlidesExporter.require_js_url = "require.js"  # beside the deck, always copied by `build`
+    config.SlidesExporter.exclude_input_prompt = True
+    config.SlidesExporter.exclude_output_prompt = True
     exporter = SlidesExporter(
         config=config, template_name=TEMPLATE_NAME, extra_template_basedirs=[str(TEMPLATE_DIR)]
     )
-    # Dropped before the exporter reads the slide boundaries: a dropped cell must not open or end a slide.
-    kept = [c for c in nb.cells if DROP_TAG not in c.metadata.get("tags", [])]
-    body, _ = exporter.from_notebook_node(static_outputs(nbformat.from_dict({**nb, "cells": kept})))
+    body, _ = exporter.from_notebook_node(
+        room_notebook(nb), resources={"labkit": {"show_code_tag": SHOW_CODE_TAG}}
+    )
     return body
 
 
@@ -182,22 +323,42 @@ def copy_assets(out_dir: Path, reveal: bool = True) -> None:
         shutil.copytree(ASSETS_DIR / "reveal.js", target)
 
 
-def index_html(decks: list[tuple[str, str]], sheets: dict[str, str] | None = None) -> str:
-    """A page linking each (file name, title) deck, and its cheat sheet (`sheets`: deck name -> sheet name)."""
-    sheets = sheets or {}
+class DeckEntry(NamedTuple):
+    """One line of the index page: the deck's file name, its title, its run time in words, its cheat sheet."""
 
-    def item(name: str, title: str) -> str:
-        sheet = sheets.get(name)
-        extra = f' · <a href="{html.escape(sheet)}">cheat sheet</a>' if sheet else ""
-        return f'  <li><a href="{html.escape(name)}">{html.escape(title)}</a>{extra}</li>'
+    deck: str
+    title: str
+    run_time: str
+    sheet: str | None
 
-    items = "\n".join(item(name, title) for name, title in decks)
+
+def run_time_of(nb: nbformat.NotebookNode, executed_s: float | None = None) -> str:
+    """How long the notebook runs, in words: `executed_s` (this build's execution, seconds), else the duration
+    papermill recorded in an executed copy, else the notebook's own "How long" sentence."""
+    measured_s = executed_s if executed_s is not None else nb.metadata.get("papermill", {}).get("duration")
+    if measured_s is not None:
+        return f"{measured_s:.0f} s, measured"
+    stated = STATED_RUN_TIME.search(nb.cells[0].source) if nb.cells else None
+    return f"{' '.join(stated['text'].split())} (stated)" if stated else "not stated"
+
+
+def index_html(entries: list[DeckEntry]) -> str:
+    """The workshop's index page: a table of the decks with title, run time and cheat sheet."""
+
+    def row(e: DeckEntry) -> str:
+        sheet = f'<a href="{html.escape(e.sheet)}">cheat sheet</a>' if e.sheet else ""
+        return (f'  <tr><td><a href="{html.escape(e.deck)}">{html.escape(e.title)}</a></td>'
+                f"<td>{html.escape(e.run_time)}</td><td>{sheet}</td></tr>")  # fmt: skip
+
+    rows = "\n".join(row(e) for e in entries)
     return (
-        '<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8"><title>labkit slides</title></head>\n'
-        '<body style="font-family: sans-serif; max-width: 46em; margin: 2em auto">\n'
-        "<h1>labkit: the course as slides</h1>\n<ol>\n"
-        f"{items}\n</ol>\n<p>Arrow keys move; <kbd>s</kbd> opens the speaker view; <kbd>Esc</kbd> shows the overview.</p>\n"
-        "</body>\n</html>\n"
+        '<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8"><title>labkit slides</title>\n'
+        "<style>body { font-family: sans-serif; max-width: 60em; margin: 2em auto; }\n"
+        "td, th { text-align: left; padding: 0.3em 1em 0.3em 0; }</style></head>\n<body>\n"
+        "<h1>labkit: the course as slides</h1>\n<table>\n"
+        "  <tr><th>deck</th><th>run time</th><th>cheat sheet</th></tr>\n"
+        f"{rows}\n</table>\n<p>Arrow keys move; <kbd>s</kbd> opens the speaker view (the notes); "
+        "<kbd>Esc</kbd> shows the overview.</p>\n</body>\n</html>\n"
     )
 
 
@@ -224,21 +385,23 @@ def build(
     out.mkdir(parents=True, exist_ok=True)
     prefix = reveal_url_prefix or LOCAL_REVEAL_PREFIX
     copy_assets(out, reveal=reveal_url_prefix is None)
-    decks, listed, sheets = [], [], {}
+    decks, entries = [], []
     for path in notebooks:
         start_s = time.perf_counter()
         nb = execute_notebook(path, timeout_s) if execute else nbformat.read(path, as_version=4)
+        executed_s = time.perf_counter() - start_s if execute else None
         deck = out / f"{path.stem}.slides.html"
         deck.write_text(slides_html(nb, prefix), encoding="utf-8")
         decks.append(deck)
-        listed.append((deck.name, title_of(nb, path.stem)))
+        title = title_of(nb, path.stem)
         source = sheets_dir / f"{path.stem}.md"
+        page = None
         if source.is_file():
             sheet = cheatsheet_markdown(source.read_text(encoding="utf-8"), nb)
             (out / f"{path.stem}.cheatsheet.md").write_text(sheet, encoding="utf-8")
             page = out / f"{path.stem}.cheatsheet.html"
-            page.write_text(cheatsheet_html(sheet, title_of(nb, path.stem)), encoding="utf-8")
-            sheets[deck.name] = page.name
+            page.write_text(cheatsheet_html(sheet, title), encoding="utf-8")
+        entries.append(DeckEntry(deck.name, title, run_time_of(nb, executed_s), page and page.name))
         log(f"{deck} ({time.perf_counter() - start_s:.1f} s)")
-    (out / "index.html").write_text(index_html(listed, sheets), encoding="utf-8")
+    (out / "index.html").write_text(index_html(entries), encoding="utf-8")
     return decks

@@ -9,12 +9,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "slides",
         help="build a reveal.js deck per course notebook and an index page (viewable offline)",
-        description="Build DIR/NN_name.slides.html for every notebooks/NN_*.ipynb, its one-page cheat sheet "
-        "(DIR/NN_name.cheatsheet.md and .html, from docs/cheatsheets/NN_name.md) and DIR/index.html. Cells "
-        "tagged notebook-only are dropped; reveal.js is copied beside the decks, so nothing is fetched when "
-        "they are viewed. By default the notebooks are converted as they are (committed ones carry no "
-        "outputs, so the cheat sheets cannot quote a measured figure); --notebooks points at executed copies, "
-        "--execute runs each one first (minutes).",
+        description="Build DIR/NN_name.slides.html for every notebooks/NN_*.ipynb, made for a room (outputs "
+        "only, code where a cell is tagged slide-code, one headline and a lead per slide, the rest of the prose in "
+        "the speaker notes, each slide fitted to the screen), its one-page cheat sheet (DIR/NN_name.cheatsheet.md "
+        "and .html, from docs/cheatsheets/NN_name.md) and DIR/index.html (titles, run times, cheat sheets). "
+        "reveal.js is copied beside the decks, so nothing is fetched when they are viewed. By default the "
+        "notebooks are converted as they are (committed ones carry no outputs: no figures); --notebooks points at "
+        "executed copies, --execute runs each one first (minutes; figures at twice the notebook's resolution).",
     )
     p.add_argument("--out", metavar="DIR", default="slides", help="output folder (default: ./slides)")
     p.add_argument(
