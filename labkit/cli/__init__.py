@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+import labkit
+
 COMMANDS = (
     "doctor",
     "budget",
@@ -19,6 +21,7 @@ COMMANDS = (
     "torchrun",
     "grade",
     "slides",
+    "release",
 )  # modules of labkit.cli, in the order `labkit --help` lists them
 
 
@@ -38,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The DeepSpeed launcher runs `python -m labkit --local_rank=N COMMAND ...` (unless --no_local_rank);
     # LOCAL_RANK in the environment says the same, so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--version", action="version", version=f"labkit {labkit.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(f"labkit.cli.{name}").register(sub)

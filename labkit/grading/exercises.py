@@ -8,10 +8,11 @@ cell id, which Jupyter keeps when a cell is edited.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import nbformat
+
+from labkit.course import course_path
 
 ANSWER, PARAMETERS, SETUP, CHECK, LOCKED = "answer", "parameters", "setup", "check", "locked"
 # Cells the grader runs, in order, in the fresh answers process: the fixed set-up, then the answers.
@@ -20,9 +21,8 @@ NOTEBOOK_VERSION = 4
 
 
 def exercise_dir() -> Path:
-    """Where the pristine exercises live: $LABKIT_EXERCISES, else the checkout's `exercises/`."""
-    override = os.environ.get("LABKIT_EXERCISES")
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "exercises"
+    """Where the pristine exercises live: $LABKIT_EXERCISES, else the course's `exercises/` (labkit.course)."""
+    return course_path("exercises")
 
 
 def exercise_id(nb) -> str | None:
@@ -40,6 +40,13 @@ def index(directory: Path | None = None) -> dict[str, Path]:
         if ex_id:
             found[ex_id] = path
     return found
+
+
+def exercise_title(exercise_id: str, directory: Path | None = None) -> str | None:
+    """`metadata.labkit.title` of the pristine exercise `exercise_id`, or None when there is none."""
+    path = index(directory).get(exercise_id)
+    meta = nbformat.read(path, as_version=NOTEBOOK_VERSION).metadata.get("labkit", {}) if path else {}
+    return meta.get("title") if isinstance(meta, dict) else None
 
 
 def role(cell) -> str:

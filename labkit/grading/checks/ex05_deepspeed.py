@@ -1,6 +1,6 @@
 """Exercise 05: DeepSpeed configs for ZeRO-3 offload and for ZeRO++, validated by DeepSpeed's own parser.
 
-`parse` runs `deepspeed.runtime.config.DeepSpeedConfig(config)` as it would run on `world_size` ranks:
+`parse` (labkit.grading.public: the student release's check() uses it too) runs `deepspeed.runtime.config.DeepSpeedConfig(config)` as it would run on `world_size` ranks:
 without a process group the parser assumes one rank, so its two questions to `deepspeed.comm` (this rank,
 how many ranks) are answered for the duration of the call. Everything else (unknown keys, types, enums,
 the batch identity train = micro x accumulation x ranks) is DeepSpeed's own validation.
@@ -9,30 +9,11 @@ the batch identity train = micro x accumulation x ranks) is DeepSpeed's own vali
 from __future__ import annotations
 
 import json
-import os
-import threading
-from unittest import mock
 
 from labkit.grading.checks import Check, Exercise, answer, rng, tally
+from labkit.grading.public import parse
 
-_LOCK = threading.Lock()
 OFFLOAD = ("offload_config",)
-
-
-def parse(config: dict, world_size: int):
-    """DeepSpeed's parsed config for `config` on `world_size` ranks; raises DeepSpeed's own error if invalid."""
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from deepspeed.runtime import config as ds_config
-
-    with (
-        _LOCK,
-        mock.patch.object(ds_config.dist, "get_rank", return_value=0),
-        mock.patch.object(ds_config.dist, "get_world_size", return_value=world_size),
-    ):
-        return ds_config.DeepSpeedConfig(config)
 
 
 def _cases(seed: int) -> list[tuple[int, int, int]]:

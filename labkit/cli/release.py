@@ -1,0 +1,29 @@
+"""`labkit release --student OUT`: the student copy of the course, for nbgitpuller (see labkit.release)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    """Add the `release` command to the `labkit` parser."""
+    p = subparsers.add_parser(
+        "release",
+        help="write the student copy of the course (no solutions, no grader checks) for nbgitpuller",
+        description="Write OUT: the notebooks, the pristine exercises, the docs a student reads and the labkit "
+        "the notebooks import, without solutions/ or the grader's checks (check() then runs the public "
+        "checks). OUT is new, empty, or an earlier release (everything but its .git is replaced): commit "
+        "and push it as the repository the students' nbgitpuller links pull.",
+    )
+    p.add_argument("--student", metavar="OUT", required=True, help="the folder to write the release into")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from labkit.release import release_student
+
+    files = release_student(Path(args.student))
+    print(f"student release: {len(files)} files in {args.student} (no solutions/, no grader checks)")
+    return 0

@@ -1,0 +1,309 @@
+"""The public checks: what `check()` can say where the grader's checks are not installed (a student release).
+
+They hold no reference answers and none of the grade's cases: each one tests the student's answers against
+what anyone may know: torch's and DeepSpeed's own results, invariants the exercise states (a shard has
+ceil(d0/n) rows; the shard groups partition the ranks), the exercise's own example (its `parameters` cell),
+and the fact-sheet figures the course prints. Passing them is no grade: the grader's hidden cases decide it.
+A public check's probe returns its cases as [(passed, what was wrong)]; its judge only tallies them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable
+from unittest import mock
+
+from labkit.grading.checks import Check, Exercise, answer, tally
+
+_LOCK = threading.Lock()
+DEMO_RANKS = 3  # the exercises' demonstrations run on 3 ranks
+LAUNCH_TIMEOUT_S = 120.0
+FACT_PARAMS, FACT_RANKS, FACT_GROUP = 30e9, 256, 8  # the fact sheet's model and cluster
+
+
+def _public(name: str, probe: Callable[[dict], list], answers: tuple[str, ...]) -> Check:
+    return Check(name, 1, lambda ns, seed: probe(ns), lambda got, seed: tally(got), answers=answers)
+
+
+# --------------------------------------------------------------------------------------- ex01_memory
+
+
+def _state_cases(ns: dict) -> list:
+    fn = answer(ns, "state_bytes_per_rank")
+    p, n = FACT_PARAMS, FACT_RANKS
+    zero3, ddp = float(fn(p, n, "zero3")), float(fn(p, n, "ddp"))
+    chain = [float(fn(p, n, s)) for s in ("ddp", "zero1", "zero2", "zero3")]
+    return [
+        (math.isclose(ddp, 16 * p), f"ddp, 30e9 params: {ddp:g} B, the fact sheet's 16 B per parameter"),
+        (math.isclose(zero3, 16 * p / n, rel_tol=1e-6), f"zero3, 30e9 on 256 ranks: {zero3:g} B, want 1.875e+09 B"),
+        (chain == sorted(chain, reverse=True), f"ddp >= zero1 >= zero2 >= zero3 on 256 ranks: {chain}"),
+        (float(fn(p, 8, "ddp")) == ddp, "ddp replicates everything: its bytes do not depend on the world size"),
+    ]  # fmt: skip
+
+
+def _fit_cases(ns: dict) -> list:
+    """The fewest ranks must fit by the student's own state function, and one rank fewer must not."""
+    fit, state = answer(ns, "min_ranks_to_fit"), answer(ns, "state_bytes_per_rank")
+    cases = []
+    for p, gpu, s in ((7e9, 80e9, "zero3"), (30e9, 80e9, "zero2")):
+        n = fit(p, gpu, s)
+        ok = n is not None and state(p, n, s) <= gpu and (n == 1 or state(p, n - 1, s) > gpu)
+        cases.append((ok, f"params={p:g}, {gpu:g} B, {s}: {n} ranks, not the fewest whose state fits"))
+    return cases
+
+
+# --------------------------------------------------------------------------------------- ex02_shard
+
+
+def _shard_cases(ns: dict) -> list:
+    import torch
+
+    fn = answer(ns, "shard_rows")
+    cases = []
+    for shape, n in (((7, 4), 3), ((2, 3), 3), ((6, 2), 3)):  # the example, fewer rows than ranks, exact
+        full = torch.randn(shape)
+        shards = [fn(full.clone(), r, n) for r in range(n)]
+        rows = -(-shape[0] // n)
+        same = all(tuple(s.shape) == (rows, *shape[1:]) for s in shards)
+        whole = same and torch.equal(torch.cat(shards)[: shape[0]], full)
+        padding = same and not torch.cat(shards)[shape[0] :].any()
+        cases.append((whole and padding, f"shape {list(shape)} on {n} ranks: not ceil(d0/n) rows each, "
+                      "the rows in rank order, then zero rows"))  # fmt: skip
+    return cases
+
+
+def _round_trip(shard_rows: Callable, gather_full: Callable, d0: int, width: int) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    full = torch.arange(1, d0 * width + 1, dtype=torch.float32).reshape(d0, width)
+    rebuilt = gather_full(shard_rows(full, dist.get_rank(), dist.get_world_size()), d0, dist.get_world_size())
+    return bool(torch.equal(rebuilt, full))
+
+
+def _gather_cases(ns: dict) -> list:
+    import labkit
+
+    shard_rows, gather_full = answer(ns, "shard_rows"), answer(ns, "gather_full")
+    cases = []
+    for d0 in (7, 2):
+        same = labkit.launch(
+            _round_trip, DEMO_RANKS, shard_rows, gather_full, d0, 4, timeout=LAUNCH_TIMEOUT_S
+        )
+        cases.append((all(same), f"d0={d0} on {DEMO_RANKS} ranks: gather_full(shard_rows(...)) is not the parameter"))  # fmt: skip
+    return cases
+
+
+# ------------------------------------------------------------------------------- ex03_reduce_scatter
+
+
+def _mean_rank(reduce_scatter_mean: Callable, numel: int) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mine = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    mean = mine.clone()
+    dist.all_reduce(mean)  # torch's own sum over ranks
+    chunk = -(-numel // n)
+    want = torch.cat([mean / n, mean.new_zeros(chunk * n - numel)])[rank * chunk : (rank + 1) * chunk]
+    got = reduce_scatter_mean(mine, n)
+    return tuple(got.shape) == (chunk,) and bool(torch.allclose(got, want, atol=1e-6))
+
+
+def _flat_cases(ns: dict) -> list:
+    import labkit
+
+    fn = answer(ns, "reduce_scatter_mean")
+    return [
+        (all(labkit.launch(_mean_rank, DEMO_RANKS, fn, numel, timeout=LAUNCH_TIMEOUT_S)),
+         f"{numel} elements on {DEMO_RANKS} ranks: not this rank's chunk of all_reduce's sum / n")
+        for numel in (10, 9)
+    ]  # fmt: skip
+
+
+def _pack_cases(ns: dict) -> list:
+    """The send buffer holds every gradient once (its sum), padded to n equal rank rows."""
+    import torch
+
+    fn = answer(ns, "pack_grads")
+    grads, n = [torch.randn(7, 2), torch.randn(5)], DEMO_RANKS
+    out = fn([g.clone() for g in grads], n)
+    numel = sum(-(-g.shape[0] // n) * n * (g.numel() // g.shape[0]) for g in grads)
+    total = sum(float(g.sum()) for g in grads)
+    return [
+        (out.dim() == 1 and out.numel() == numel, f"shapes (7, 2) and (5,) on 3 ranks: {out.numel()} elements, want {numel}"),
+        (math.isclose(float(out.sum()), total, rel_tol=1e-5, abs_tol=1e-5), "the buffer's sum is not the gradients' sum"),
+    ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ ex04_prefetch
+
+
+def _units(n_blocks: int) -> list[str]:
+    return ["root", *(f"blocks.{i}" for i in range(n_blocks))]
+
+
+def _order_cases(ns: dict) -> list:
+    fwd, bwd = answer(ns, "forward_order"), answer(ns, "backward_order")
+    cases = []
+    for n in (4, 1):
+        f, b = list(fwd(n)), list(bwd(n))
+        blocks_f = [u for u in f if u != "root"]
+        blocks_b = [u for u in b if u != "root"]
+        cases += [
+            (sorted(f) == sorted(_units(n)) == sorted(b), f"{n} blocks: each order names 'root' and every block once"),
+            (blocks_f == _units(n)[1:] and blocks_b == blocks_f[::-1], f"{n} blocks: backward visits the blocks in reverse"),
+        ]  # fmt: skip
+    return cases
+
+
+def _schedule_cases(ns: dict) -> list:
+    fn, fwd, bwd = answer(ns, "prefetch_schedule"), answer(ns, "forward_order"), answer(ns, "backward_order")
+    n, cases = 4, []
+    rows = [tuple(r) for r in fn(n)]
+    for moment, order in (("before_forward", list(fwd(n))), ("before_backward", list(bwd(n)))):
+        mine = [r for r in rows if r[0] == moment]
+        cases.append(([r[1] for r in mine] == order, f"{moment}: the hooks fire in your own order"))
+        later = all(r[2] is None or order.index(r[2]) > order.index(r[1]) for r in mine)
+        cases.append((later and bool(mine) and mine[-1][2] is None, f"{moment}: a hook prefetches a later unit, the last none"))  # fmt: skip
+    return cases
+
+
+def _count_cases(ns: dict) -> list:
+    fn, n = answer(ns, "all_gathers_per_step"), 4
+    kept, resharded = int(fn(n, False)), int(fn(n, True))
+    return [
+        (kept >= n + 1, f"{n} blocks, weights kept: {kept} all-gathers, fewer than one per unit"),
+        (
+            resharded > kept,
+            "resharding after forward gathers again in backward: more all-gathers, not as many",
+        ),
+    ]
+
+
+# ----------------------------------------------------------------------------------- ex05_deepspeed
+
+
+def parse(config: dict, world_size: int):
+    """DeepSpeed's parsed config for `config` on `world_size` ranks; raises DeepSpeed's own error if invalid.
+
+    Without a process group the parser assumes one rank, so its two questions to `deepspeed.comm` (this
+    rank, how many ranks) are answered for the duration of the call."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime import config as ds_config
+
+    with (
+        _LOCK,
+        mock.patch.object(ds_config.dist, "get_rank", return_value=0),
+        mock.patch.object(ds_config.dist, "get_world_size", return_value=world_size),
+    ):
+        return ds_config.DeepSpeedConfig(config)
+
+
+def _config_cases(ns: dict) -> list:
+    world_size, micro, gpn = (ns.get(k, d) for k, d in (("world_size", 4), ("micro_batch", 2), ("gpus_per_node", 8)))  # fmt: skip
+    cases = []
+    for name, config in (("offload_config", answer(ns, "offload_config")(world_size, micro)),
+                         ("zeropp_config", answer(ns, "zeropp_config")(world_size, gpn, micro))):  # fmt: skip
+        try:
+            stage = int(parse(config, world_size).zero_config.stage)
+            cases.append((stage == 3, f"{name}: DeepSpeed parses ZeRO stage {stage}, want 3"))
+        except Exception as e:  # noqa: BLE001 (DeepSpeed raises assertion, pydantic and value errors)
+            cases.append((False, f"{name}: DeepSpeed refuses it ({type(e).__name__}: {' '.join(str(e).split())[:200]})"))  # fmt: skip
+    return cases
+
+
+# --------------------------------------------------------------------------------------- ex06_hsdp
+
+
+def _group_cases(ns: dict) -> list:
+    fn, cases = answer(ns, "hsdp_groups"), []
+    for n, g in ((8, 4), (12, 3)):
+        shard, replicate = fn(n, g)
+        flat = sorted(r for group in shard for r in group)
+        cases.append((flat == list(range(n)) and all(len(s) == g for s in shard), f"{n} ranks, groups of {g}: shard groups of {g} that partition the ranks"))  # fmt: skip
+        one_each = all(
+            len(rep) == n // g and all(len(set(rep) & set(s)) == 1 for s in shard) for rep in replicate
+        )
+        cases.append((one_each and len(replicate) == g, f"{n} ranks, groups of {g}: each replicate group takes one rank of every shard group"))  # fmt: skip
+    return cases
+
+
+def _traffic_cases(ns: dict) -> list:
+    fn = answer(ns, "hsdp_traffic")
+    one_group = fn(FACT_PARAMS, FACT_GROUP, FACT_GROUP)
+    wide = fn(FACT_PARAMS, 512, FACT_GROUP)
+    return [
+        (set(wide) == {"all_gather", "reduce_scatter", "all_reduce"}, f"the collectives {sorted(wide)}"),
+        (
+            one_group.get("all_reduce") == 0,
+            "one shard group alone (world size = group size) all-reduces nothing",
+        ),
+        (all(v > 0 for v in wide.values()), "on 512 ranks in groups of 8 every collective sends bytes"),
+    ]
+
+
+def _cross_cases(ns: dict) -> list:
+    crosses = answer(ns, "crosses_groups")
+    return [(set(crosses) < {"all_gather", "reduce_scatter", "all_reduce"} and bool(crosses),
+             "crosses_groups names some, not all, of all_gather, reduce_scatter, all_reduce")]  # fmt: skip
+
+
+def _hsdp_state_cases(ns: dict) -> list:
+    fn = answer(ns, "hsdp_state_bytes_per_rank")
+    got = float(fn(FACT_PARAMS, 512, FACT_GROUP))
+    return [(math.isclose(got, 480e9 / FACT_GROUP), f"30e9 params, 512 ranks in groups of 8: {got:g} B, the fact sheet's 1/8 of 480 GB")]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ ex07_capstone
+
+
+def _build_cases(ns: dict) -> list:
+    """The build-along's own live check (labkit.build.checks, notebook 02): training against `single`."""
+    from labkit.build import Pieces
+    from labkit.build.checks import run_checks
+
+    names = (
+        "shard",
+        "gather",
+        "before_forward",
+        "after_forward",
+        "before_backward",
+        "after_grad",
+        "make_optimizer",
+    )
+    pieces = Pieces(**{name: answer(ns, name) for name in names})
+    [result] = run_checks([("adamw", pieces)], world_size=DEMO_RANKS, quiet=True)
+    return [(result.ok, result.sentence)]
+
+
+PUBLIC = {
+    "ex01_memory": (_public("state bytes: the fact sheet's figures and their order", _state_cases, ("state_bytes_per_rank",)),
+                    _public("fewest ranks: by your own state bytes", _fit_cases, ("min_ranks_to_fit",))),
+    "ex02_shard": (_public("shard: ceil(d0/n) rows, in order, zero-padded", _shard_cases, ("shard_rows",)),
+                   _public(f"round trip on {DEMO_RANKS} ranks", _gather_cases, ("gather_full",))),
+    "ex03_reduce_scatter": (_public("reduce_scatter_mean against torch's all_reduce", _flat_cases, ("reduce_scatter_mean",)),
+                            _public("pack_grads: every gradient once, padded", _pack_cases, ("pack_grads",))),
+    "ex04_prefetch": (_public("hook orders", _order_cases, ("forward_order", "backward_order")),
+                      _public("schedule follows your orders", _schedule_cases, ("prefetch_schedule",)),
+                      _public("all-gather counts", _count_cases, ("all_gathers_per_step",))),
+    "ex05_deepspeed": (_public("DeepSpeed parses both configs", _config_cases, ("offload_config", "zeropp_config")),),
+    "ex06_hsdp": (_public("mesh groups", _group_cases, ("hsdp_groups",)),
+                  _public("traffic: the three collectives", _traffic_cases, ("hsdp_traffic",)),
+                  _public("what crosses groups", _cross_cases, ("crosses_groups",)),
+                  _public("state: the fact sheet's figure", _hsdp_state_cases, ("hsdp_state_bytes_per_rank",))),
+    "ex07_capstone": (_public(f"training on {DEMO_RANKS} ranks matches single", _build_cases, ("shard", "gather")),),
+}  # fmt: skip
+
+
+def load(exercise_id: str, title: str) -> Exercise:
+    """The public checks of `exercise_id` as an Exercise titled `title`; LookupError when there are none."""
+    if exercise_id not in PUBLIC:
+        raise LookupError(f"no public checks for exercise {exercise_id!r}; known ids: {', '.join(PUBLIC)}")
+    return Exercise(exercise_id, title, PUBLIC[exercise_id])

@@ -1,0 +1,24 @@
+"""The wheel carries the course: build_py copies exercises/, solutions/, notebooks/ and docs/ into
+labkit/_course/, where labkit.course finds them when labkit runs from an installed wheel (metadata: pyproject.toml)."""
+
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+from labkit.course import FOLDERS  # noqa: E402 (labkit.course imports nothing but the standard library)
+
+
+class BuildPyWithCourse(build_py):
+    def run(self):
+        super().run()
+        if self.editable_mode:  # an editable install runs from the checkout, which holds the course itself
+            return
+        target = Path(self.build_lib) / "labkit" / "_course"
+        for folder in (f for f in FOLDERS if Path(f).is_dir()):  # a student release has no solutions/
+            shutil.copytree(Path(folder), target / folder, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))  # fmt: skip
+
+
+setup(cmdclass={"build_py": BuildPyWithCourse})
