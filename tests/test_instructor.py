@@ -26,7 +26,7 @@ import pytest
 import yaml
 from packaging.version import Version
 
-from labkit import budget, classroom, doctor, slides
+from labkit import budget, classroom, doctor, release, slides
 from labkit.cli import build_parser, main
 from labkit.cluster import RANK_BYTES_ESTIMATE, RANKS_PER_CORE
 from labkit.model import build_model, count_params
@@ -38,6 +38,7 @@ COURSE_SECTION = "## The course, end to end"
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 PIN = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)==(?P<version>[^\s;#]+)$")
 SUBMISSIONS = {"alice.ipynb": "01_memory.ipynb", "bob.ipynb": "06_hsdp.ipynb"}  # cheap ones (seconds each)
+RELEASE = "labkit-student"  # the student release's folder and repository in the guide
 
 
 def fenced_blocks(markdown: str) -> list[tuple[str, list[str]]]:
@@ -75,7 +76,7 @@ def test_every_labkit_line_of_the_guide_parses():
     for line in lines:
         build_parser().parse_args(shlex.split(line)[1:])  # a drifted flag raises UsageError here
     tested = guide_commands(tested_only=True)
-    assert {shlex.split(ln)[1] for ln in tested} == {"doctor", "grade", "slides"}, tested
+    assert {shlex.split(ln)[1] for ln in tested} == {"doctor", "grade", "slides", "release"}, tested
     for info, lines in fenced_blocks(GUIDE.read_text()):
         if info == "sh test":
             assert all(ln.startswith("labkit ") for ln in lines), f"a tested block runs labkit only: {lines}"
@@ -236,11 +237,22 @@ def test_nbgitpuller_link_opens_a_real_notebook():
     assert url.path == "/hub/user-redirect/git-pull"
     query = parse_qs(url.query)
     assert set(query) == {"repo", "branch", "urlpath"}
-    assert query["repo"][0] == "https://github.com/OWNER/labkit"
+    assert query["repo"][0] == f"https://github.com/OWNER/{RELEASE}"  # the student release's repository
     urlpath = query["urlpath"][0]  # decoded: lab/tree/<clone folder>/<path>?autodecode
-    assert urlpath.startswith("lab/tree/labkit/") and urlpath.endswith("?autodecode"), urlpath
-    inside = urlpath.removeprefix("lab/tree/labkit/").removesuffix("?autodecode")
-    assert (ROOT / inside).is_file(), inside
+    assert urlpath.startswith(f"lab/tree/{RELEASE}/") and urlpath.endswith("?autodecode"), urlpath
+    inside = urlpath.removeprefix(f"lab/tree/{RELEASE}/").removesuffix("?autodecode")
+    assert (ROOT / inside).is_file() and inside.split("/")[0] in release.COURSE_FILES, inside
+
+
+def test_guide_writes_the_student_release_its_link_pulls(guide_run):
+    work, runs = guide_run
+    [line] = [ln for ln in runs if ln.startswith("labkit release")]
+    folder = work / shlex.split(line)[-1]
+    assert folder.name == RELEASE and "student release:" in runs[line].stdout
+    assert (folder / "notebooks" / "00_start_here.ipynb").is_file() and (folder / "exercises").is_dir()
+    assert not (folder / "solutions").exists() and not list(
+        (folder / "labkit" / "grading" / "checks").glob("ex*.py")
+    )
 
 
 # ------------------------------------------------------------------------------------------------ Binder
