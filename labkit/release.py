@@ -56,6 +56,7 @@ def release_student(out: Path) -> list[Path]:
     )
     leaks = answer_leaks(out, course_path("solutions"))
     if leaks:
+        _clear(out)  # nothing of a release that shows an answer is left to push
         raise ValueError(f"the release would show the answer {leaks[0]}; remove it there and release again")
     return sorted(p for p in out.rglob("*") if p.is_file() and ".git" not in p.relative_to(out).parts)
 

@@ -96,6 +96,7 @@ def test_the_release_refuses_a_course_whose_notebooks_show_an_answer(tmp_path: P
         "labkit release: the release would show the answer 01_memory.ipynb cell answer-fit in"
     )
     assert err.endswith("remove it there and release again") and "\n" not in err
+    assert not any(p.name != ".labkit-release" for p in (tmp_path / "out").iterdir()), "nothing left to push"
 
 
 def test_a_release_again_keeps_git_and_a_foreign_folder_is_refused(release: Path, tmp_path: Path, capsys):
