@@ -141,3 +141,63 @@ def test_check_runs_the_public_checks_from_the_release(release: Path):
     assert "ok  1/1  round trip on 3 ranks: all 2 cases right" in solved, solved
     pristine = _check_from_release(release, release / "exercises" / "02_shard_gather.ipynb")
     assert "0/2 (public checks only" in pristine and "NotImplementedError" in pristine, pristine
+
+
+# ------------------------------------------------------------------------------- the public checks, here
+
+
+def _namespace(notebook: Path, replace: dict[str, str] | None = None) -> dict:
+    """What the kernel holds after the parameters, set-up and answer cells (`replace`: {cell id: source})."""
+    from labkit.grading import exercises
+
+    ns = {"__name__": "__main__"}
+    for cell in json.loads(notebook.read_text())["cells"]:
+        if exercises.role(cell) in exercises.GRADED_ROLES:
+            try:
+                exec((replace or {}).get(cell["id"], "".join(cell["source"])), ns)
+            except NotImplementedError:
+                pass  # a stub cell that raises at top level defines nothing
+    return ns
+
+
+def _public_results(exercise_id: str, ns: dict) -> list[bool]:
+    from labkit.grading import public
+    from labkit.grading.checks import judge_all, probe_all
+
+    exercise = public.load(exercise_id, exercise_id)
+    return [e["passed"] for e in judge_all(exercise, probe_all(exercise, ns, 0), 0)]
+
+
+def _solutions() -> dict[str, Path]:
+    from labkit.grading import exercises
+
+    return exercises.index(ROOT / "solutions")
+
+
+@pytest.mark.parametrize("exercise_id", sorted(_solutions()))
+def test_every_exercise_has_public_checks_a_solution_passes_and_a_stub_fails(exercise_id):
+    solution = _solutions()[exercise_id]
+    assert all(_public_results(exercise_id, _namespace(solution))), exercise_id
+    pristine = ROOT / "exercises" / solution.name
+    assert not any(_public_results(exercise_id, _namespace(pristine))), exercise_id
+
+
+FLOOR_SHARD = """
+def shard_rows(full, rank, world_size):
+    rows = full.shape[0] // world_size  # floor: the classic mistake
+    return full[rank * rows : (rank + 1) * rows].clone()
+"""
+SWAPPED_GROUPS = """
+def hsdp_groups(world_size, group_size):
+    shard = [list(range(j, world_size, group_size)) for j in range(group_size)]
+    return shard, [list(range(s, s + group_size)) for s in range(0, world_size, group_size)]
+"""
+
+
+@pytest.mark.parametrize(
+    "exercise_id, cell, source, failed",
+    [("ex02_shard", "answer-shard", FLOOR_SHARD, [True, True]), ("ex06_hsdp", "answer-mesh", SWAPPED_GROUPS, [True, False, False, False])],
+)  # fmt: skip
+def test_a_common_mistake_fails_its_public_check(exercise_id, cell, source, failed):
+    ns = _namespace(_solutions()[exercise_id], {cell: source})
+    assert [not ok for ok in _public_results(exercise_id, ns)] == failed
