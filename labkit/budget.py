@@ -869,6 +869,50 @@ def unhidden_comm_share(root_params: int, block_params: Sequence[int]) -> float:
     return (3 * root_params + 2 * block_params[0] + block_params[-1]) / total
 
 
+class UnitCost(NamedTuple):
+    """One unit of a ZeRO-3 unit plan, in forward order, as `exposed_floor` weighs it (wire bytes, one rank)."""
+
+    name: str
+    gather_wire_bytes: int  # one all-gather of its weights
+    reduce_wire_bytes: int  # its reduce-scatter
+    backward_gather: bool  # gathered again before its backward (False: kept since its forward)
+    computes: bool  # has compute of its own beside which a collective can run (an embedding lookup has none)
+
+
+def exposed_floor(units: Sequence[UnitCost], prefetch_depth: int = 1) -> dict:
+    """What no prefetch of `prefetch_depth` units can hide: the collectives with no compute beside them.
+
+    Forward, in unit order: a unit's gather runs beside the compute of the `depth` units before it (the first
+    unit's beside none). Backward, in reverse order: a unit's gather beside the `depth` units after it in
+    that order began, its reduce-scatter beside every unit whose backward follows. A collective whose units
+    beside it have no compute is exposed at any link speed. Returns the exposed (unit, collective) pairs,
+    their wire bytes, the step's, and the share: the floor of exposed / unprefetched comm, by bytes.
+    """
+    order, exposed = list(units), []
+    back = order[::-1]
+    for i, u in enumerate(order):
+        if not any(v.computes for v in order[max(0, i - prefetch_depth) : i]):
+            exposed.append((u.name, "forward all-gather", u.gather_wire_bytes))
+    for i, u in enumerate(back):
+        if u.backward_gather and not any(v.computes for v in back[max(0, i - prefetch_depth) : i]):
+            exposed.append((u.name, "backward all-gather", u.gather_wire_bytes))
+        if not any(v.computes for v in back[i + 1 :]):
+            exposed.append((u.name, "reduce-scatter", u.reduce_wire_bytes))
+    total = sum(u.gather_wire_bytes * (1 + u.backward_gather) + u.reduce_wire_bytes for u in order)
+    floor = sum(b for _, _, b in exposed)
+    return {"exposed": [(name, what) for name, what, _ in exposed], "floor_wire_bytes": floor,
+            "comm_wire_bytes": total, "floor_share": floor / total if total else 0.0}  # fmt: skip
+
+
+def gathered_peak_bytes(unit_bytes: Sequence[int], prefetch_depth: int = 1, prefetch: bool = True) -> int:
+    """The most gathered weight bytes held at once: a unit computing and the `prefetch_depth` gathered ahead
+    of it, the largest such run of consecutive units (forward order; the backward's runs are the same). A
+    last unit kept across the forward/backward turn adds nothing: it is freed once its gradients are
+    reduced, before the unit before it computes its backward."""
+    window = prefetch_depth + 1 if prefetch else 1
+    return max(sum(unit_bytes[i : i + window]) for i in range(len(unit_bytes)))
+
+
 def host_optimizer_time_s(p: PlanInputs, mem: Memory) -> float:
     """CPU Adam's own seconds per step when the optimizer is offloaded: this rank's params / its rate.
 

@@ -164,7 +164,8 @@ def plan_options(engine: str, cfg: RunConfig, profile: dict) -> tuple[int, str, 
     """(ranks, strategy, options) of the `labkit.budget.plan` that prices one step of `engine` under `cfg`.
 
     The lab's model and batch slice, fp32 or bf16 state, one node of ranks whose links are the emulated
-    link (`cfg.link_gbytes`; none: infinitely fast, so gloo's own cost is all), the engine's unit plan.
+    link (`cfg.link_gbytes`; none: infinitely fast, so gloo's own cost is all), one collective per unit
+    (the scratch engine's root split in two: `root_units=2`).
     """
     if engine not in ENGINE_STRATEGY:
         raise ValueError(f"engine {engine!r} has no budget strategy; use one of {', '.join(ENGINE_STRATEGY)}")
@@ -179,6 +180,10 @@ def plan_options(engine: str, cfg: RunConfig, profile: dict) -> tuple[int, str, 
         "prefetch": cfg.prefetch, "reshard_after_forward": cfg.reshard_after_forward,
         "machine": profile,
     }  # fmt: skip
+    if engine == "scratch":
+        from labkit.engines.scratch import split_root
+
+        options["root_units"] = 2 if split_root(cfg) else 1  # its input and output units
     return n, ENGINE_STRATEGY[engine], options
 
 

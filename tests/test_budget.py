@@ -680,3 +680,25 @@ def test_activation_formula_predicts_the_measured_peak(measured_activations):
             f"{cfg} checkpointing={checkpointing}: predicted {predicted:,} B, measured {bytes_measured:,} B"
         )
         assert predicted == pytest.approx(bytes_measured, rel=0.03 if checkpointing else 1e-4)
+
+
+def test_exposed_floor_finds_the_collectives_with_no_compute_beside_them_at_each_depth():
+    # forward order: an embedding (no compute), two blocks, a head kept across the turn
+    units = [budget.UnitCost("emb", 10, 10, True, False), budget.UnitCost("b0", 20, 20, True, True),
+             budget.UnitCost("b1", 20, 20, True, True), budget.UnitCost("head", 5, 5, False, True)]  # fmt: skip
+    floor = budget.exposed_floor(units, prefetch_depth=1)
+    assert floor["exposed"] == [("emb", "forward all-gather"), ("b0", "forward all-gather"),
+                                ("b0", "reduce-scatter"), ("emb", "reduce-scatter")]  # fmt: skip
+    assert floor["comm_wire_bytes"] == 3 * 10 + 3 * 20 + 3 * 20 + 2 * 5
+    assert floor["floor_wire_bytes"] == 60 and floor["floor_share"] == 60 / 160
+    # depth 2 cannot help b0's forward gather: the only unit before it has no compute
+    assert budget.exposed_floor(units, prefetch_depth=2)["floor_wire_bytes"] == 60
+    # a head that is resharded pays a backward gather with nothing before it
+    resharded = [*units[:3], budget.UnitCost("head", 5, 5, True, True)]
+    assert ("head", "backward all-gather") in budget.exposed_floor(resharded)["exposed"]
+
+
+def test_gathered_peak_bytes_is_the_largest_run_of_depth_plus_one_units():
+    assert budget.gathered_peak_bytes([1, 5, 3, 4], prefetch_depth=1) == 8
+    assert budget.gathered_peak_bytes([1, 5, 3, 4], prefetch_depth=2) == 12
+    assert budget.gathered_peak_bytes([1, 5, 3, 4], prefetch=False) == 5

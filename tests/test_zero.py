@@ -22,7 +22,6 @@ from labkit.engines.loop import rank_info, run, train_steps, validate
 from labkit.model import batch, build_model, count_params, loss_fn
 from labkit.probes import state_bytes
 from labkit.zero import ShardedAdamW, ZeRO3, checkpoint
-from labkit.zero.hooks import model_units
 from labkit.zero.sharding import (
     dim0_layout,
     dim0_rows,
@@ -294,36 +293,42 @@ def test_a_module_without_blocks_is_refused_and_one_rank_is_a_valid_degenerate_z
 
 
 @pytest.mark.parametrize(
-    "model,n,dtype,reshard,hsdp",
+    "model,n,dtype,reshard,hsdp,split",
     [
-        ("tiny_uneven", 3, "float32", True, None),
-        ("tiny", 4, "bfloat16", False, None),
-        ("tiny_uneven", 2, "float32", True, None),
-        ("tiny_uneven", 4, "float32", True, 2),  # HSDP: padding to 2 rows inside each shard group
-        ("tiny", 2, "float32", False, 1),  # HSDP's limit: shard groups of 1 rank are DDP's all-reduce
+        ("tiny_uneven", 3, "float32", True, None, True),
+        ("tiny_uneven", 3, "float32", True, None, False),  # one root, gathered twice
+        ("tiny", 4, "bfloat16", False, None, True),
+        ("tiny_uneven", 2, "float32", True, None, True),
+        ("tiny_uneven", 4, "float32", True, 2, True),  # HSDP: padding to 2 rows inside each shard group
+        ("tiny", 2, "float32", False, 1, True),  # HSDP's limit: shard groups of 1 rank are DDP's all-reduce
     ],
 )
-def test_measured_wire_bytes_are_the_formula_for_the_padded_model(model, n, dtype, reshard, hsdp):
-    options = {} if hsdp is None else {"hsdp_shard_size": hsdp}
+def test_measured_wire_bytes_are_the_formula_for_the_padded_model(model, n, dtype, reshard, hsdp, split):
+    options = {"split_root": split} | ({} if hsdp is None else {"hsdp_shard_size": hsdp})
     cfg = RunConfig(model=model, world_size=n, steps=2, dtype=dtype, reshard_after_forward=reshard,
                     options=options)  # fmt: skip
     record = run("scratch", cfg)
     comm = record["comm"]
     predicted = scratch.predicted_wire_bytes(build_model(model), cfg, n)
     assert {k: v["wire_bytes"] for k, v in comm.items()} == predicted
-    units = 1 + len(build_model(model).blocks)
-    assert comm["all_gather"]["calls"] == (2 if reshard else 1) * units
+    units = (2 if split else 1) + len(build_model(model).blocks)  # input and output units, or the root
+    kept = 1 if split else 0  # the output unit is never gathered twice
+    assert comm["all_gather"]["calls"] == (2 * units - kept if reshard else units)
     assert comm["reduce_scatter"]["calls"] == units
     if hsdp is not None:  # gathers and reduce-scatters in rank 0's shard group, all-reduces across groups
         assert comm["all_reduce"]["calls"] == units
         groups = {c["kind"]: c["group_ranks"] for c in record["collective_calls"]}
         assert groups == {"all_gather": list(range(hsdp)), "reduce_scatter": list(range(hsdp)),
                           "all_reduce": list(range(0, n, hsdp))}  # fmt: skip
-    elif reshard and dtype == "float32":  # the issue's statement: AG = 2 x (n-1)/n x padded bytes, RS = 1 x
-        padded_bytes = 4 * sum(
-            budget.padded_numel(tuple(p.shape), n) for p in build_model(model).parameters()
+    elif (
+        reshard and dtype == "float32"
+    ):  # AG = (n-1)/n x (2 x padded bytes - the kept output unit's), RS = 1 x
+        net = build_model(model)
+        padded_bytes = 4 * sum(budget.padded_numel(tuple(p.shape), n) for p in net.parameters())
+        output_bytes = 4 * sum(
+            budget.padded_numel(tuple(p.shape), n) for p in (*net.ln_f.parameters(), net.head.weight)
         )
-        assert comm["all_gather"]["wire_bytes"] == 2 * (n - 1) * padded_bytes // n
+        assert comm["all_gather"]["wire_bytes"] == (n - 1) * (2 * padded_bytes - split * output_bytes) // n
         assert comm["reduce_scatter"]["wire_bytes"] == (n - 1) * padded_bytes // n
 
 
@@ -352,15 +357,20 @@ def test_scratch_hsdp_in_labkit_compare_matches_fsdp2_single_and_the_budget(tmp_
         engine: {k: row["wire_bytes"] for k, row in rec["comm"].items()} for engine, rec in engines.items()
     }
     traffic = plan["traffic_bytes_by_collective"]
+    # the plan gathers every weight twice; the scratch engine's output unit (ln_f, head) is kept across the turn
+    output_bytes = 4 * sum(p.numel() for p in (*model.ln_f.parameters(), model.head.weight))
     assert wire["scratch"] == {
-        "all_gather": traffic["all_gather_forward"] + traffic["all_gather_backward"],
+        "all_gather": traffic["all_gather_forward"]
+        + traffic["all_gather_backward"]
+        - collective_wire_bytes("all_gather", output_bytes, 2),
         "reduce_scatter": traffic["reduce_scatter"],
         "all_reduce": traffic["all_reduce"],
     }
-    # The one documented difference: FSDP2 keeps the root gathered from forward to backward.
-    root_bytes = 4 * sum(p.numel() for _, p in model_units(model)[0][2])
+    # The one documented difference: FSDP2 keeps its whole root gathered from forward to backward; the
+    # scratch engine keeps its output unit and gathers its input unit (the embeddings) again for backward.
+    input_bytes = 4 * sum(p.numel() for p in (model.tok.weight, model.pos.weight))
     assert wire["scratch"] == wire["fsdp2"] | {
-        "all_gather": wire["fsdp2"]["all_gather"] + collective_wire_bytes("all_gather", root_bytes, 2)
+        "all_gather": wire["fsdp2"]["all_gather"] + collective_wire_bytes("all_gather", input_bytes, 2)
     }
 
 
@@ -375,3 +385,55 @@ def test_options_the_scratch_engine_does_not_implement_are_refused_in_one_senten
     )
     with pytest.raises(ValueError, match="hsdp_shard_size=3: pass a number of ranks that divides"):
         validate(["scratch"], RunConfig(world_size=4, options={"hsdp_shard_size": 3}))
+    with pytest.raises(
+        ValueError, match="prefetch_depth=0: the scratch engine gathers a whole number of units"
+    ):
+        validate(["scratch"], RunConfig(world_size=2, options={"prefetch_depth": 0}))
+
+
+# ------------------------------------------------------------------------------------------ the split root
+
+
+def _split_trace_and_losses(depth: int, steps: int = 3) -> tuple[list, list[float]]:
+    trace = []
+    model = build_model("tiny_uneven")
+    zero = ZeRO3(model, trace=trace, split_root=True, prefetch_depth=depth)
+    opt = ShardedAdamW(zero.shards(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        tokens, targets = batch(step, "tiny_uneven", world_size=3, rank=dist.get_rank())
+        loss = loss_fn(model(tokens), targets)
+        loss.backward()
+        zero.finish_backward()
+        opt.step()
+        losses.append(loss.detach())
+    for loss in losses:
+        dist.all_reduce(loss)
+    return trace, [loss.item() / 3 for loss in losses]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_split_root_runs_input_blocks_output_keeps_the_output_across_the_turn_and_matches_single(depth):
+    trace, losses = labkit.launch(_split_trace_and_losses, 3, depth)[0]
+    step = trace[: len(trace) // 3]
+    units = ["input", "blocks.0", "blocks.1", "blocks.2", "output"]
+    assert [u for m, u in step if m == "before_forward"] == units
+    assert [u for m, u in step if m == "before_backward"] == units[::-1]
+    assert [u for m, u in step if m == "after_grad"] == units[::-1]
+    # the input unit's forward ends as the first block's begins; the output's as the model returns
+    assert step.index(("after_forward", "input")) < step.index(("before_forward", "blocks.0"))
+    assert step[step.index(("after_forward", "output")) + 1] == ("before_backward", "output")
+    cfg = RunConfig(model="tiny_uneven", world_size=3, steps=3)
+    assert_close(losses, reference_losses(cfg), rel=1e-4)
+
+
+def test_the_floor_of_the_split_plan_is_the_input_unit_and_block_0s_forward_gather_and_reduce_scatter():
+    model, cfg = build_model("tiny"), RunConfig(model="tiny", world_size=2)
+    floor = scratch.exposed_floor(model, cfg, 2)
+    assert floor["exposed"] == [("input", "forward all-gather"), ("blocks.0", "forward all-gather"),
+                                ("blocks.0", "reduce-scatter"), ("input", "reduce-scatter")]  # fmt: skip
+    costs = {u.name: u for u in scratch.unit_costs(model, cfg, 2)}
+    assert floor["floor_wire_bytes"] == sum(
+        costs[u].gather_wire_bytes + costs[u].reduce_wire_bytes for u in ("input", "blocks.0")
+    )
+    assert floor["comm_wire_bytes"] == sum(scratch.predicted_wire_bytes(model, cfg, 2).values())

@@ -7,7 +7,10 @@ in separate host buffers, see `labkit.zero.optimizer`). From `cfg.options` (anyt
 consecutive ranks, replicated across the others (`labkit.zero.hsdp`); `labkit compare --hsdp` sets it.
 `activation_checkpointing` (bool): each block wrapped in torch's non-reentrant `checkpoint_wrapper`
 before `ZeRO3` shards it (`labkit.engines.activation_checkpointing`): `before_backward` re-gathers the
-block, then autograd recomputes it; the bytes per step do not change.
+block, then autograd recomputes it; the bytes per step do not change. `split_root` (bool; default True for the
+lab's model, False for a model whose `units` are named): the root as an input unit (embeddings) and an output unit (final norm, head) kept gathered across the
+forward/backward turn (`labkit.zero.hooks`); False: one root, gathered for the whole forward and again for
+the whole backward. `prefetch_depth` (int, default 1): units gathered ahead.
 """
 
 from __future__ import annotations
@@ -15,17 +18,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from labkit.budget import collective_wire_bytes, padded_numel
+from labkit.budget import UnitCost, collective_wire_bytes, padded_numel
+from labkit.budget import exposed_floor as budget_floor
 from labkit.engines import activation_checkpointing
 from labkit.engines.base import RankInfo, RunConfig
 from labkit.model import loss_fn
 from labkit.zero import ShardedAdamW, ZeRO3
+from labkit.zero.hooks import unit_plan
 from labkit.zero.hsdp import hsdp_groups
-from labkit.zero.units import UnitSpec, model_units
+from labkit.zero.units import INPUT, OUTPUT, UnitSpec
 
 NAME = "scratch"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-OPTIONS = ("hsdp_shard_size", "activation_checkpointing")  # the cfg.options keys it honours
+OPTIONS = (
+    "hsdp_shard_size",
+    "activation_checkpointing",
+    "split_root",
+    "prefetch_depth",
+)  # cfg.options it honours
 
 
 def check_run(cfg: RunConfig) -> None:
@@ -39,6 +49,11 @@ def check_run(cfg: RunConfig) -> None:
             f"options {unknown}: the scratch engine has no such setting{whose}; it takes {', '.join(OPTIONS)}"
         )
     shard_size(cfg, cfg.world_size)
+    depth = cfg.options.get("prefetch_depth", 1)
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(
+            f"prefetch_depth={depth!r}: the scratch engine gathers a whole number of units ahead, 1 or more"
+        )
 
 
 def shard_size(cfg: RunConfig, world_size: int) -> int:
@@ -71,6 +86,8 @@ class ScratchEngine:
             compute_dtype=DTYPES[cfg.dtype],
             units=units,
             replicate_group=groups.replicate if groups else None,
+            split_root=split_root(cfg, units),
+            prefetch_depth=cfg.options.get("prefetch_depth", 1),
         )
         self.optimizer = ShardedAdamW(
             self.zero.trainable_shards(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
@@ -99,30 +116,55 @@ class ScratchEngine:
         return state
 
 
+def split_root(cfg: RunConfig, units: UnitSpec = None) -> bool:
+    """Whether this run cuts the root into input and output units: `options["split_root"]`, by default for
+    the lab's model (`units` None: its blocks, whose order is the forward's) and not for named units."""
+    return bool(cfg.options.get("split_root", units is None))
+
+
+def unit_costs(model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpec = None) -> list[UnitCost]:
+    """Each unit of this engine's plan, in forward order, with the wire bytes of its collectives per rank.
+
+    A unit is gathered before its forward and, when it was resharded after forward, again before its
+    backward (the output unit never is: it is kept across the turn): (g-1)/g x its padded bytes in the
+    compute dtype each time, over the shard group of g ranks (g = world_size without HSDP); its trainable
+    gradients are reduce-scattered once in float32: (g-1)/g x padded elements x 4 B. The input unit (the
+    embeddings: lookups) has no compute of its own to hide a collective behind.
+    """
+    g = shard_size(cfg, world_size)
+    compute_bytes = DTYPES[cfg.dtype].itemsize
+    out = []
+    for name, _, params in unit_plan(model, units, split_root(cfg, units)):  # `units` as the engine got them
+        padded = sum(padded_numel(tuple(p.shape), g) for _, p in params)
+        trained = sum(padded_numel(tuple(p.shape), g) for _, p in params if p.requires_grad)
+        out.append(UnitCost(name, collective_wire_bytes("all_gather", padded * compute_bytes, g),
+                            collective_wire_bytes("reduce_scatter", trained * 4, g),
+                            cfg.reshard_after_forward and name != OUTPUT, name != INPUT))  # fmt: skip
+    return out
+
+
 def predicted_wire_bytes(
     model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpec = None
 ) -> dict[str, int]:
-    """Per rank per step, the all-gather, reduce-scatter (and HSDP all-reduce) wire bytes of this engine.
-
-    Every unit (each block and the root) is gathered before its forward and, when it was resharded
-    after forward, again before its backward: 2 x (g-1)/g x its padded bytes in the compute dtype, over
-    the shard group of g ranks (g = world_size without HSDP); its trainable gradients are reduce-scattered
-    once in float32: (g-1)/g x padded elements x 4 B; under HSDP each unit's gradient shard (its padded
-    elements / g) is then all-reduced across the r = world_size / g replicas: 2(r-1)/r x shard x 4 B.
+    """Per rank per step, the all-gather, reduce-scatter (and HSDP all-reduce) wire bytes of this engine:
+    the sum of `unit_costs`; under HSDP each unit's gradient shard (its padded elements / g) is then
+    all-reduced across the r = world_size / g replicas: 2(r-1)/r x shard x 4 B.
     """
     g = shard_size(cfg, world_size)
     replicas = world_size // g
-    compute_bytes = DTYPES[cfg.dtype].itemsize
-    gathers = 2 if cfg.reshard_after_forward else 1
-    out = {"all_gather": 0, "reduce_scatter": 0} | ({"all_reduce": 0} if replicas > 1 else {})
-    for _, _, params in model_units(model, units):  # `units` as the engine was given them
-        padded = sum(padded_numel(tuple(p.shape), g) for _, p in params)
-        trained = sum(padded_numel(tuple(p.shape), g) for _, p in params if p.requires_grad)
-        out["all_gather"] += gathers * collective_wire_bytes("all_gather", padded * compute_bytes, g)
-        out["reduce_scatter"] += collective_wire_bytes("reduce_scatter", trained * 4, g)
-        if replicas > 1:
-            out["all_reduce"] += collective_wire_bytes("all_reduce", trained // g * 4, replicas)
+    costs = unit_costs(model, cfg, world_size, units)
+    out = {"all_gather": sum(u.gather_wire_bytes * (1 + u.backward_gather) for u in costs),
+           "reduce_scatter": sum(u.reduce_wire_bytes for u in costs)}  # fmt: skip
+    if replicas > 1:
+        trained = [sum(padded_numel(tuple(p.shape), g) for _, p in params if p.requires_grad)
+                   for _, _, params in unit_plan(model, units, split_root(cfg, units))]  # fmt: skip
+        out["all_reduce"] = sum(collective_wire_bytes("all_reduce", t // g * 4, replicas) for t in trained)
     return out
+
+
+def exposed_floor(model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpec = None) -> dict:
+    """`labkit.budget.exposed_floor` of this engine's unit plan at `options["prefetch_depth"]`."""
+    return budget_floor(unit_costs(model, cfg, world_size, units), cfg.options.get("prefetch_depth", 1))
 
 
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> ScratchEngine:

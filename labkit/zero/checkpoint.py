@@ -26,7 +26,7 @@ from labkit.zero.sharding import shard_dim0, unshard_dim0
 
 
 def _full_shapes(zero: ZeRO3) -> dict[str, list[int]]:
-    prefix = {u: "" if u is zero.root else f"{u.name}." for u in zero.units}
+    prefix = {u: "" if u.module is zero.model else f"{u.name}." for u in zero.units}
     return {prefix[u] + sp.name: [sp.d0, *sp.shard.shape[1:]] for u in zero.units for sp in u.params}
 
 

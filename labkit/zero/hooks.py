@@ -10,6 +10,13 @@ The units are the modules `labkit.zero.units` cuts the model into (by default ea
 `model.blocks`) plus the root (every other parameter: embeddings, final norm, head, shared weights), whose
 "forward" is the whole model's: gathered as the model starts, freed when it returns. `finish_backward`
 closes the step: it reduces what no hook reduced (a unit or parameter this step did not use).
+
+With `split_root` the root is cut into an input unit and an output unit (`labkit.zero.units.split_root`),
+so each is gathered only around its own compute. The input unit (the embeddings) is gathered as the model
+starts and freed as the first unit starts; its backward begins when the first unit's input gets its
+gradient, so its gather is prefetched behind the first unit's backward. The output unit (final norm, head)
+is gathered as its first module starts (after the last unit) and kept across the forward/backward turn, where it is needed again at
+once (FSDP2 keeps its root the same way): one all-gather fewer per step, its weights held meanwhile.
 """
 
 from __future__ import annotations
@@ -22,9 +29,18 @@ from torch import nn
 
 from labkit.zero.prefetch import Prefetcher
 from labkit.zero.unit import ShardedParam, ShardedState, ShardedUnit
-from labkit.zero.units import UnitSpec, instances_of, model_units
+from labkit.zero.units import INPUT, OUTPUT, ROOT, UnitSpec, instances_of, model_units, split_root
 
-__all__ = ["ZeRO3", "instances_of", "model_units"]
+__all__ = ["ZeRO3", "instances_of", "model_units", "unit_plan"]
+
+
+def unit_plan(
+    model: nn.Module, units: UnitSpec = None, split: bool = False
+) -> list[tuple[str, nn.Module, list]]:
+    """(name, module, named parameters) of each unit ZeRO3 makes, in its order: `model_units`, the root split
+    when `split` (`split_root`), a root left without parameters dropped. What the bytes formula sums over."""
+    planned = model_units(model, units)
+    return [u for u in (split_root(model, planned) if split else planned) if u[2]]
 
 
 class ZeRO3:
@@ -37,62 +53,77 @@ class ZeRO3:
     memory). `prefetch`: overlap the next unit's all-gather with this unit's compute. `compute_dtype`:
     dtype of the gathered weights (torch.bfloat16 for mixed precision); the shards, the gradient
     reduction and the optimizer stay float32. `replicate_group`: HSDP's replica group (`labkit.zero.hsdp`),
-    with `group` the shard group. `trace`: a list to append (moment, unit) to.
+    with `group` the shard group. `trace`: a list to append (moment, unit) to. `split_root`: the root as an
+    input and an output unit (module docstring). `prefetch_depth`: how many units ahead to gather.
     """
 
     def __init__(self, model: nn.Module, group=None, reshard_after_forward: bool = True,
                  prefetch: bool = True, compute_dtype: torch.dtype = torch.float32, trace: list | None = None,
-                 *, units: UnitSpec = None, replicate_group=None):  # fmt: skip
+                 *, units: UnitSpec = None, replicate_group=None, split_root: bool = False,
+                 prefetch_depth: int = 1):  # fmt: skip
         if not dist.is_initialized():
             raise RuntimeError("ZeRO3 needs an initialised process group; run it inside labkit.launch")
         self.model = model
         self.group = group
         self.reshard_after_forward = reshard_after_forward
-        self.prefetcher = Prefetcher(prefetch)
+        self.prefetcher = Prefetcher(prefetch, prefetch_depth)
         self.trace = trace
         self.units = [
             ShardedUnit(name, module, params, group, compute_dtype, replicate_group)
-            for name, module, params in model_units(model, units)
-            if params  # a root without parameters of its own (all of them in units) is no unit
+            for name, module, params in unit_plan(model, units, split_root)
         ]
-        self.root = next((u for u in self.units if u.module is model), None)
+        named = {u.name: u for u in self.units if u.module is model}
+        self.root, self.input_unit, self.output_unit = (named.get(k) for k in (ROOT, INPUT, OUTPUT))
+        first_unit = next((u.module for u in self.units if u.module is not model), None)
         self._grads_left: dict[ShardedUnit, int] = {}
+        self._backward_begun: set[ShardedUnit] = set()
         self._reducing: list[ShardedUnit] = []
         model.register_forward_pre_hook(lambda module, args: self.start_step())
         for unit in self.units:
-            self._install(unit)
+            if unit is self.input_unit:
+                self._install_input(unit, first=first_unit)
+            elif unit is self.output_unit:
+                self._install_output(unit)
+            else:
+                self._install(unit)
 
     # ---------------------------------------------------------------------------------------- hooks
 
     def start_step(self) -> None:
         """The model's forward begins: every unit waits for all of its trainable parameters' gradients."""
         self._grads_left = {u: len(u.trainable) for u in self.units}
+        self._backward_begun = set()
 
     def before_forward(self, unit: ShardedUnit) -> None:
         self._log("before_forward", unit)
         self.prefetcher.saw_forward(unit)
         unit.start_gather(async_op=False)  # nothing to do when a prefetch issued it already
         unit.finish_gather()
-        nxt = self.prefetcher.next_in_forward(unit)
-        if nxt is not None:
-            nxt.start_gather(async_op=True)
+        for ahead in self.prefetcher.ahead_in_forward(unit):
+            ahead.start_gather(async_op=True)
 
-    def after_forward(self, unit: ShardedUnit, output: torch.Tensor) -> torch.Tensor:
+    def after_forward(self, unit: ShardedUnit, output: torch.Tensor | None) -> torch.Tensor | None:
+        """Free the weights (not the output unit's: module docstring); arm before_backward on `output`
+        (None: armed elsewhere, as the input unit's are on its modules' outputs)."""
         self._log("after_forward", unit)
-        if self.reshard_after_forward:
+        backward_follows = torch.is_grad_enabled() and (output is None or output.requires_grad)
+        kept = unit is self.output_unit and backward_follows
+        if self.reshard_after_forward and not kept:
             unit.free()
-        if torch.is_grad_enabled() and output.requires_grad:
-            output.register_hook(lambda grad: self.before_backward(unit))
+        if output is not None:
+            self._arm_backward(unit, output)
         return output
 
     def before_backward(self, unit: ShardedUnit) -> None:
+        if unit in self._backward_begun:  # a unit with two outputs (the input unit's embeddings): the first
+            return
+        self._backward_begun.add(unit)
         self._log("before_backward", unit)
         self.prefetcher.saw_backward(unit)
         unit.start_gather(async_op=False)  # nothing to do when prefetched, or kept since forward
         unit.finish_gather()
-        nxt = self.prefetcher.next_in_backward(unit)
-        if nxt is not None:
-            nxt.start_gather(async_op=True)
+        for ahead in self.prefetcher.ahead_in_backward(unit):
+            ahead.start_gather(async_op=True)
 
     def after_grad(self, unit: ShardedUnit) -> None:
         self._log("after_grad", unit)
@@ -126,6 +157,38 @@ class ZeRO3:
     def _install(self, unit: ShardedUnit) -> None:
         unit.module.register_forward_pre_hook(lambda module, args: self.before_forward(unit))
         unit.module.register_forward_hook(lambda module, args, out: self.after_forward(unit, out))
+        self._watch_grads(unit)
+
+    def _install_input(self, unit: ShardedUnit, first: nn.Module) -> None:
+        """The input unit's forward runs from the model's start to the first unit's; its backward begins at
+        the first gradient of its modules' outputs (after the first unit's backward, not inside it)."""
+        self.model.register_forward_pre_hook(lambda module, args: self.before_forward(unit))
+        first.register_forward_pre_hook(lambda module, args: self._input_ends(unit))
+        for module in self._modules_of(unit):
+            module.register_forward_hook(lambda module, args, out: self._arm_backward(unit, out))
+        self._watch_grads(unit)
+
+    def _input_ends(self, unit: ShardedUnit) -> None:
+        self.after_forward(unit, None)  # returns None: a forward pre-hook's result would replace the args
+
+    def _install_output(self, unit: ShardedUnit) -> None:
+        """The output unit's forward runs from its first module's start (after the last unit's forward) to the
+        model's end: the model's output is its own."""
+        first = self._modules_of(unit)[0]
+        first.register_forward_pre_hook(lambda module, args: self.before_forward(unit))
+        self.model.register_forward_hook(lambda module, args, out: self.after_forward(unit, out))
+        self._watch_grads(unit)
+
+    def _modules_of(self, unit: ShardedUnit) -> list[nn.Module]:
+        """The modules that hold a root part's parameters, in module order (its parameters have model names)."""
+        paths = dict.fromkeys(sp.name.rpartition(".")[0] for sp in unit.params)
+        return [self.model.get_submodule(path) for path in paths]
+
+    def _arm_backward(self, unit: ShardedUnit, output: torch.Tensor) -> None:
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(lambda grad: self.before_backward(unit))
+
+    def _watch_grads(self, unit: ShardedUnit) -> None:
         for sp in unit.trainable:  # a frozen parameter gets no gradient, so no hook
             sp.param.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_ready(unit))
 
@@ -155,7 +218,9 @@ class ZeRO3:
     def _named_params(self) -> Iterator[tuple[str, ShardedParam]]:
         """(name in the model, sharded parameter) for every parameter, in the order of `shards()`."""
         for unit in self.units:
-            prefix = "" if unit is self.root else f"{unit.name}."
+            prefix = (
+                "" if unit.module is self.model else f"{unit.name}."
+            )  # the root and its parts: model names
             yield from ((prefix + sp.name, sp) for sp in unit.params)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

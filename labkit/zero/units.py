@@ -7,6 +7,10 @@ modules, or a policy such as `instances_of(nn.TransformerEncoderLayer)`; the lab
 every other parameter (outside every unit, or shared by two places, like an embedding tied to the head)
 belongs to the root, which is gathered for the whole forward and backward, so a shared weight is there
 for every use.
+
+`split_root` cuts the root in up to three by where its modules sit between the units (listed in the order
+they run): the input unit (before the first unit: the embeddings), the output unit (after the last: the
+final norm and the head) and what is left of the root (the model's own parameters, a shared weight).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 ROOT = "root"
+INPUT, OUTPUT = "input", "output"  # the root's two parts when it is split (`split_root`)
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
@@ -133,3 +138,32 @@ def _parameter_owners(model: nn.Module, modules: list[nn.Module], names: dict[in
         (only,) = holders if len(holders) == 1 else (None,)
         owner[pid] = units.get(only) if only is not None else None
     return owner
+
+
+def split_root(
+    model: nn.Module, units: list[tuple[str, nn.Module, NamedParams]]
+) -> list[tuple[str, nn.Module, NamedParams]]:
+    """`model_units`' list with its root cut by module order: (INPUT, model, ...) first, then what is left of
+    the root, the units, (OUTPUT, model, ...) last; an empty part is dropped.
+
+    A root parameter is an input one when the one module that registers it comes before the first unit in
+    `model.named_modules()`, an output one when it comes after the last unit; a parameter of the model
+    itself, one registered in two places (a tied embedding and head) or one between units stays in the root.
+    """
+    (_, _, root), blocks = units[0], units[1:]
+    if not blocks:
+        return units
+    place = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    first, last = place[id(blocks[0][1])], place[id(blocks[-1][1])]
+    holders: dict[int, list[int]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(place[id(module)])
+    parts: dict[str, NamedParams] = {INPUT: [], ROOT: [], OUTPUT: []}
+    for name, p in root:
+        places = set(holders[id(p)])
+        where = places.pop() if len(places) == 1 else None
+        part = ROOT if where in (None, 0) else INPUT if where < first else OUTPUT if where > last else ROOT
+        parts[part].append((name, p))
+    out = [(INPUT, model, parts[INPUT]), (ROOT, model, parts[ROOT]), *blocks, (OUTPUT, model, parts[OUTPUT])]
+    return [u for u in out if u[2]]

@@ -1,0 +1,158 @@
+"""The calibrated time model against the measured step, and prefetch against the unit plan's floor.
+
+    python benchmarks/calibrated.py [--reps 2] [--steps 5] [--out benchmarks/results-calibrated.md]
+
+1. `labkit.calibrate.calibrate` profiles this machine; `predicted_step_s` prices one step of scratch, fsdp2
+   and ddp on `small` at 2 and 4 ranks, with no emulated link and with one set so that the scratch engine's
+   wire bytes take 0.5 x the plan's compute; each beside the measured median step (PASS within 20%).
+2. The scratch engine on `small` and `tiny_deep` at 2 ranks under that link: prefetch (depth 1 and 2, the
+   root split; depth 1 with one root) over no prefetch, beside the floor's ideal (the no-prefetch step less
+   the link time the unit plan could hide: `labkit.engines.scratch.exposed_floor`); PASS at <= 0.70 on
+   `small` and <= 0.65 on `tiny_deep`, with the wire bytes equal to `predicted_wire_bytes` and the losses
+   to `single`'s. Figures are medians over repetitions that alternate the runs; a loaded machine moves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+from labkit import budget, calibrate
+from labkit.engines import scratch
+from labkit.engines.base import RunConfig
+from labkit.engines.loop import run, run_many
+from labkit.model import build_model, count_params
+from labkit.tables import median_step_s
+from labkit.zero.hooks import unit_plan
+
+WITHIN = 0.20  # the calibrated prediction's allowed distance from the measured step
+PREFETCH_TARGETS = {"small": 0.70, "tiny_deep": 0.65}  # prefetch / no-prefetch step, 2 ranks
+ENGINES = ("scratch", "fsdp2", "ddp")
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def half_compute_link(cfg: RunConfig, profile: dict) -> float:
+    """GB/s at which the scratch engine's wire bytes per step take 0.5 x the calibrated plan's compute."""
+    n, strategy, options = calibrate.plan_options("scratch", cfg, profile)
+    compute_s = budget.plan(count_params(build_model(cfg.model)), n, strategy, **options)["compute_time_s"]
+    wire = sum(scratch.predicted_wire_bytes(build_model(cfg.model), cfg, cfg.world_size).values())
+    return wire / (0.5 * compute_s) / 1e9
+
+
+def medians(runs: list[tuple[str, RunConfig]], reps: int) -> list[dict]:
+    """Each run's records over `reps` launches (the runs alternate inside each); its median step in "step_s"."""
+    records = [run_many(runs) for _ in range(reps)]
+    out = []
+    for i in range(len(runs)):
+        recs = [r[i] for r in records]
+        out.append({"records": recs, "step_s": statistics.median(median_step_s(r) for r in recs)})
+    return out
+
+
+def prediction_rows(profile: dict, steps: int, reps: int) -> list[str]:
+    rows = ["| ranks | link | engine | measured s | predicted s | predicted/measured | within 20% |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for n in (2, 4):
+        base = RunConfig(model="small", world_size=n, steps=steps)
+        link = half_compute_link(base, profile)
+        configs = [("none", base), (f"{link:.3f} GB/s (0.5 x compute)", replace(base, link_gbytes=link))]
+        runs = [(e, cfg) for _, cfg in configs for e in ENGINES]
+        for (engine, cfg), m in zip(runs, medians(runs, reps), strict=True):
+            label = next(lbl for lbl, c in configs if c == cfg)
+            predicted = calibrate.predicted_step_s(engine, cfg, profile)
+            ratio = predicted / m["step_s"]
+            rows.append(f"| {n} | {label} | {engine} | {m['step_s']:.3f} | {predicted:.3f} | {ratio:.2f} | "
+                        f"{verdict(abs(ratio - 1) <= WITHIN)} |")  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
+PREFETCH_VARIANTS = {  # label -> (prefetch, options)
+    "no prefetch": (False, {}),
+    "prefetch, depth 1": (True, {}),
+    "prefetch, depth 2": (True, {"prefetch_depth": 2}),
+    "prefetch, depth 1, one root": (True, {"split_root": False}),
+}
+
+
+def unit_bytes(model: str, cfg: RunConfig) -> list[int]:
+    """Gathered bytes of each unit of the scratch engine's plan at 2 ranks, in forward order (fp32)."""
+    plan = unit_plan(build_model(model), None, scratch.split_root(cfg))
+    return [4 * sum(budget.padded_numel(tuple(p.shape), 2) for _, p in params) for _, _, params in plan]
+
+
+def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
+    rows = ["| model | link GB/s | variant | step s | / no prefetch | floor's ideal | floor share | bytes = formula "
+            "| losses = single | peak MB - no prefetch's | gathered peak MB - no prefetch's (budget) | target |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for model, target in PREFETCH_TARGETS.items():
+        base = RunConfig(model=model, world_size=2, steps=steps)
+        link = half_compute_link(base, profile)
+        cfgs = {
+            k: replace(base, link_gbytes=link, prefetch=p, options=o)
+            for k, (p, o) in PREFETCH_VARIANTS.items()
+        }
+        results = dict(zip(cfgs, medians([("scratch", c) for c in cfgs.values()], reps), strict=True))
+        single = run("single", replace(base, steps=steps))["losses"]
+        off = results["no prefetch"]["step_s"]
+        off_peak = max(results["no prefetch"]["records"][-1]["peak_mem_bytes"])
+        off_gathered = budget.gathered_peak_bytes(unit_bytes(model, base), prefetch=False)
+        for label, cfg in cfgs.items():
+            rec = results[label]["records"][-1]
+            wire = {k: v["wire_bytes"] for k, v in rec["comm"].items()}
+            bytes_ok = wire == scratch.predicted_wire_bytes(build_model(model), cfg, 2)
+            losses_ok = all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(rec["losses"], single, strict=True))
+            floor = scratch.exposed_floor(build_model(model), cfg, 2)
+            link_s = floor["comm_wire_bytes"] / (link * 1e9)
+            ideal = (off - (1 - floor["floor_share"]) * link_s) / off
+            ratio = results[label]["step_s"] / off
+            check = (
+                verdict(ratio <= target and bytes_ok and losses_ok) if label == "prefetch, depth 1" else ""
+            )
+            peak = max(rec["peak_mem_bytes"]) - off_peak
+            depth = cfg.options.get("prefetch_depth", 1)
+            gathered = budget.gathered_peak_bytes(unit_bytes(model, cfg), depth, cfg.prefetch) - off_gathered
+            rows.append(f"| {model} | {link:.4f} | {label} | {results[label]['step_s']:.3f} | {ratio:.2f} | "
+                        f"{ideal:.2f} | {floor['floor_share']:.3f} | {bytes_ok} | {losses_ok} | {peak / 1e6:+.2f} | "
+                        f"{gathered / 1e6:+.2f} | {check + f' (<= {target})' if check else ''} |")  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=2, help="launches per configuration (runs alternate)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per run (the first is dropped)")
+    parser.add_argument("--out", default="benchmarks/results-calibrated.md")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    profile = calibrate.calibrate("small", (2, 4))
+    lines = [f"# The calibrated time model and prefetch to the floor ({time.strftime('%Y-%m-%d')}, "
+             f"{os.cpu_count()} CPUs, CPU gloo)", "", "## The machine (`labkit calibrate`)", "", "```",
+             calibrate.profile_table(profile), "```", "",
+             "## Predicted (calibrated `labkit.budget`) against measured median step, `small`", "",
+             *prediction_rows(profile, args.steps, args.reps), "",
+             "## Prefetch against the floor, scratch, 2 ranks, emulated link at 0.5 x compute", "",
+             "floor's ideal: the no-prefetch step less the part of the link time the unit plan can hide "
+             "(1 - floor share); floor share: the wire bytes of the collectives with no compute beside them.", "",
+             *prefetch_rows(profile, args.steps, args.reps), ""]  # fmt: skip
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines.append(
+        f"Load average as it ended (1, 5, 15 min): {load}; wall {time.perf_counter() - start:.0f} s."
+    )
+    text = "\n".join(lines) + "\n"
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
