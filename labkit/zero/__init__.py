@@ -2,11 +2,12 @@
 a unit's weights are all-gathered just before its forward and again before its backward, and its gradients
 are reduce-scattered back into the shards as soon as they exist.
 
-    units.py      which modules are units (model.blocks, a list, or instances_of(...)), who owns each param
+    units.py      which modules are units (model.blocks, a list, or instances_of(...)), who owns each param,
+                  and the root split into an input and an output unit
     sharding.py   how a parameter (FSDP2 way) or a block (FSDP1 way) is cut into n shards
     unit.py       one unit's shards, full buffers and its coalesced all-gather / reduce-scatter
     hooks.py      the four moments (before_forward, after_forward, before_backward, after_grad)
-    prefetch.py   the next unit's all-gather in flight while this one computes
+    prefetch.py   the next units' all-gathers (prefetch_depth of them) in flight while this one computes
     optimizer.py  AdamW on the shards, optionally with its state offloaded to host memory
     hsdp.py       HSDP's two groups: shard inside g ranks, all-reduce gradient shards across the n/g replicas
     checkpoint.py save the shards of every rank, load them back at any world size
