@@ -164,6 +164,7 @@ def _order_cases(ns: dict) -> list:
             (sorted(f) == sorted(_units(n)) == sorted(b), f"{n} blocks: each order names 'root' and every block once"),
             (blocks_f == _units(n)[1:] and blocks_b == blocks_f[::-1], f"{n} blocks: backward visits the blocks in reverse"),
         ]  # fmt: skip
+    return cases
 
 
 def _schedule_cases(ns: dict) -> list:
