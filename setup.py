@@ -1,4 +1,4 @@
-"""The wheel carries the course: build_py copies exercises/, solutions/, notebooks/ and docs/ into
+"""The wheel carries the course: build_py copies exercises/, solutions/, notebooks/, docs/ and requirements.txt into
 labkit/_course/, where labkit.course finds them when labkit runs from an installed wheel (metadata: pyproject.toml)."""
 
 import shutil
@@ -7,7 +7,7 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-from labkit.course import FOLDERS  # noqa: E402 (labkit.course imports nothing but the standard library)
+from labkit.course import FILES, FOLDERS  # labkit.course imports only the standard library
 
 
 class BuildPyWithCourse(build_py):
@@ -19,6 +19,8 @@ class BuildPyWithCourse(build_py):
         for folder in (f for f in FOLDERS if Path(f).is_dir()):  # a student release has no solutions/
             shutil.copytree(Path(folder), target / folder, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))  # fmt: skip
+        for name in (f for f in FILES if Path(f).is_file()):
+            shutil.copy2(name, target / name)
 
 
 setup(cmdclass={"build_py": BuildPyWithCourse})

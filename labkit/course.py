@@ -14,6 +14,7 @@ from pathlib import Path
 COURSE_ENV = "LABKIT_COURSE"
 EXERCISES_ENV = "LABKIT_EXERCISES"
 FOLDERS = ("exercises", "solutions", "notebooks", "docs")  # what a wheel carries under labkit/_course/
+FILES = ("requirements.txt",)  # and these (the pins `labkit doctor` compares with)
 PACKAGE_DIR = Path(__file__).resolve().parent
 PACKAGED = PACKAGE_DIR / "_course"
 
@@ -37,7 +38,7 @@ def course_dir() -> Path:
 
 
 def course_path(folder: str) -> Path:
-    """One folder of the course, e.g. course_path("solutions"); `exercises` honours $LABKIT_EXERCISES."""
+    """One folder or file of the course, e.g. course_path("solutions"); `exercises` honours $LABKIT_EXERCISES."""
     if folder == "exercises" and os.environ.get(EXERCISES_ENV):
         return Path(os.environ[EXERCISES_ENV]).expanduser()
     return course_dir() / folder

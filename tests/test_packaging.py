@@ -27,7 +27,7 @@ from labkit.limits import DEEPSPEED_SHM_BYTES_PER_RANK, NCCL_SHM_BYTES
 ROOT = Path(__file__).resolve().parents[1]
 PIN = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)==(?P<version>[^\s;#]+)$")
 JUPYTER_EXTENSIONS = {"nbgitpuller", "jupyterlab-rise"}  # the Jupyter server's and JupyterLab's, not labkit's
-SOURCES = ("labkit", "pyproject.toml", "setup.py", "README.md", "LICENSE", *course.FOLDERS)
+SOURCES = ("labkit", "pyproject.toml", "setup.py", "README.md", "LICENSE", *course.FOLDERS, *course.FILES)
 
 
 def _requirement_pins() -> dict[str, str]:
@@ -118,6 +118,7 @@ def installed(tmp_path_factory) -> Path:
         names = z.namelist()
     for folder in course.FOLDERS:
         assert any(n.startswith(f"labkit/_course/{folder}/") for n in names), folder
+    assert {f"labkit/_course/{name}" for name in course.FILES} <= set(names)
     assert "labkit-" + labkit.__version__ + ".dist-info/licenses/LICENSE" in names
     return env / "bin"
 
