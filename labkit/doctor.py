@@ -18,7 +18,6 @@ import os
 import platform
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 from labkit import KERNEL_NAME
@@ -172,8 +171,13 @@ def _installed(name: str) -> bool:
 
 
 def _pins() -> dict[str, str]:
-    """The `name==version` pins of the checkout's requirements.txt, if labkit runs from a checkout."""
-    path = Path(__file__).resolve().parents[1] / "requirements.txt"
+    """The `name==version` pins of the course's requirements.txt (a checkout's, or the copy a wheel carries)."""
+    from labkit import course
+
+    try:
+        path = course.course_path("requirements.txt")
+    except ValueError:  # no course folder: nothing to compare with
+        return {}
     pins = {}
     if path.exists():
         for line in path.read_text().splitlines():
