@@ -36,8 +36,8 @@ remember, the common mistake. Its `{{figure}}` becomes the line of the notebook'
 
 from __future__ import annotations
 
+import copy
 import html
-import json
 import re
 import shutil
 import time
@@ -231,10 +231,10 @@ def _room_cells(cell) -> list:
 
 def room_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """A copy of `nb` as a room sees it (the rule in the module docstring); widgets shown static."""
-    copy = nbformat.from_dict(json.loads(json.dumps(nb)))
+    room = copy.deepcopy(nb)
     # Dropped before the exporter reads the slide boundaries: a dropped cell must not open or end a slide.
-    copy.cells = [kept for cell in copy.cells for kept in _room_cells(cell)]
-    return static_outputs(copy)
+    room.cells = [kept for cell in room.cells for kept in _room_cells(cell)]
+    return static_outputs(room)
 
 
 def slides_html(nb: nbformat.NotebookNode, reveal_url_prefix: str = LOCAL_REVEAL_PREFIX) -> str:
