@@ -80,11 +80,13 @@ def _tagged_code_cells(nb: nbformat.NotebookNode) -> set[str]:
 @pytest.mark.timeout(
     600
 )  # the first test to ask for `executed` runs the course (minutes); the browser part is quick
-def test_every_deck_fits_a_projector_shows_only_asked_code_and_carries_figures_and_notes(decks, executed):
+def test_every_deck_fits_a_projector_shows_only_asked_code_and_carries_figures_and_notes(
+    decks, executed, tmp_path
+):
     shots = artifacts_dir() / "decks"
     shots.mkdir(exist_ok=True)
     problems, code_shown = [], 0
-    with chromium(artifacts_dir() / "decks-profile", viewport=VIEWPORT) as context:
+    with chromium(tmp_path / "profile", viewport=VIEWPORT) as context:
         page = context.new_page()
         for name in ALL:
             deck = decks / name.replace(".ipynb", ".slides.html")
