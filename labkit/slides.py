@@ -11,9 +11,10 @@ current slide). For the room:
   sentence of each later paragraph that opens with a bold label (`**Remember:**`, `**Exercise:**`); a kept
   sentence over `LEAD_MAX_CHARS` is cut at a clause boundary with "…". Every paragraph not shown whole goes,
   in full, into the slide's speaker notes (`<aside class="notes">`, reveal.js's `s` key);
-- the template (`slides_template/labkit_reveal`) sets a 1280x720 slide with projector-sized type, shows a
-  widget output's static PNG/HTML fallback, and fits each slide when it is shown: figures shrink to the height
-  left beside the text, then the slide's content is zoomed down until it fits (width and height).
+- a widget output shows its static PNG/HTML fallback (`static_outputs`); the template
+  (`slides_template/labkit_reveal`) sets a 1280x720 slide with projector-sized type and fits each slide when it
+  is shown: each figure is scaled to the output's width and to its share of the height the text leaves, then
+  the slide's content is zoomed down until it fits (width and height).
 
 The decks show the run's figures only if built from executed notebooks: point `notebooks_dir` at executed
 copies (e.g. papermill's) or pass `execute=True` to run each one first (minutes: every notebook runs); with
