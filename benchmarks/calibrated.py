@@ -2,7 +2,8 @@
 
     python benchmarks/calibrated.py [--reps 2] [--steps 5] [--out benchmarks/results-calibrated.md]
 
-1. `labkit.calibrate.calibrate` profiles this machine; `predicted_step_s` prices one step of scratch, fsdp2
+1. `labkit.calibrate.calibrate` profiles this machine at each world size just before that world size's runs
+   (a machine shared with other work changes under the benchmark); `predicted_step_s` prices one step of scratch, fsdp2
    and ddp on `small` at 2 and 4 ranks, with no emulated link and with one set so that the scratch engine's
    wire bytes take 0.5 x the plan's compute; each beside the measured median step (PASS within 20%).
 2. The scratch engine on `small` and `tiny_deep` at 2 ranks under that link: prefetch (depth 1 and 2, the
@@ -56,10 +57,13 @@ def medians(runs: list[tuple[str, RunConfig]], reps: int) -> list[dict]:
     return out
 
 
-def prediction_rows(profile: dict, steps: int, reps: int) -> list[str]:
-    rows = ["| ranks | link | engine | measured s | predicted s | predicted/measured | within 20% |",
+def prediction_rows(steps: int, reps: int) -> tuple[list[str], dict]:
+    """The predicted/measured table, and the profile of 2 ranks (calibrated just before their runs)."""
+    profiles, rows = {}, ["| ranks | link | engine | measured s | predicted s | predicted/measured | within 20% |",
             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for n in (2, 4):
+        profile = profiles[n] = calibrate.calibrate("small", (n,))
+        print(calibrate.profile_table(profile), flush=True)
         base = RunConfig(model="small", world_size=n, steps=steps)
         link = half_compute_link(base, profile)
         configs = [("none", base), (f"{link:.3f} GB/s (0.5 x compute)", replace(base, link_gbytes=link))]
@@ -71,7 +75,8 @@ def prediction_rows(profile: dict, steps: int, reps: int) -> list[str]:
             rows.append(f"| {n} | {label} | {engine} | {m['step_s']:.3f} | {predicted:.3f} | {ratio:.2f} | "
                         f"{verdict(abs(ratio - 1) <= WITHIN)} |")  # fmt: skip
             print(rows[-1], flush=True)
-    return rows
+    tables = [f"{n} ranks:\n{calibrate.profile_table(p)}" for n, p in profiles.items()]
+    return rows, {"profile": profiles[2], "tables": tables}
 
 
 PREFETCH_VARIANTS = {  # label -> (prefetch, options)
@@ -89,7 +94,8 @@ def unit_bytes(model: str, cfg: RunConfig) -> list[int]:
 
 
 def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
-    rows = ["| model | link GB/s | variant | step s | / no prefetch | floor's ideal | floor share | bytes = formula "
+    rows = ["2 ranks: the machine profile of the 2-rank runs above sets the link.", "",
+            "| model | link GB/s | variant | step s | / no prefetch | floor's ideal | floor share | bytes = formula "
             "| losses = single | peak MB - no prefetch's | gathered peak MB - no prefetch's (budget) | target |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for model, target in PREFETCH_TARGETS.items():
@@ -133,16 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results-calibrated.md")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    profile = calibrate.calibrate("small", (2, 4))
+    predicted, calibration = prediction_rows(args.steps, args.reps)
     lines = [f"# The calibrated time model and prefetch to the floor ({time.strftime('%Y-%m-%d')}, "
              f"{os.cpu_count()} CPUs, CPU gloo)", "", "## The machine (`labkit calibrate`)", "", "```",
-             calibrate.profile_table(profile), "```", "",
+             *calibration["tables"], "```", "",
              "## Predicted (calibrated `labkit.budget`) against measured median step, `small`", "",
-             *prediction_rows(profile, args.steps, args.reps), "",
+             *predicted, "",
              "## Prefetch against the floor, scratch, 2 ranks, emulated link at 0.5 x compute", "",
              "floor's ideal: the no-prefetch step less the part of the link time the unit plan can hide "
              "(1 - floor share); floor share: the wire bytes of the collectives with no compute beside them.", "",
-             *prefetch_rows(profile, args.steps, args.reps), ""]  # fmt: skip
+             *prefetch_rows(calibration["profile"], args.steps, args.reps), ""]  # fmt: skip
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines.append(
         f"Load average as it ended (1, 5, 15 min): {load}; wall {time.perf_counter() - start:.0f} s."

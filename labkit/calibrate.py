@@ -9,6 +9,7 @@
     collectives[kind][n]   gloo's latency (s) and bandwidth (GB/s of ring wire bytes) for all-gather,
                            reduce-scatter and all-reduce: a least-squares line through a few message sizes
 
+on CPU ranks (a GPU machine's own rates are not measured here: its plans keep the datasheet defaults),
 and returns the profile as a JSON-able dict (`labkit.budget.check_machine_profile` says its keys), which
 `labkit.budget.plan(..., machine=profile)` prices steps with. `predicted_step_s` is that plan's step for
 one engine of a `labkit compare` run. Default plans (no profile) keep the GPU datasheet numbers.
@@ -136,7 +137,7 @@ def calibrate(model: str = "small", world_sizes: tuple[int, ...] = (2, 4), timeo
     rate = None
     core_share, collectives = {"1": 1.0}, {k: {} for k in KINDS}
     for n in sizes:
-        ranks = labkit.launch(_measure_rank, n, model, rate is None, timeout=timeout_s)
+        ranks = labkit.launch(_measure_rank, n, model, rate is None, timeout=timeout_s, device_type="cpu")
         if rate is None:
             rate = flops_per_token * cfg.global_batch * cfg.seq_len / statistics.median(ranks[0]["alone_s"])
         tokens = cfg.global_batch // n * cfg.seq_len
