@@ -13,10 +13,11 @@ closes the step: it reduces what no hook reduced (a unit or parameter this step 
 
 With `split_root` the root is cut into an input unit and an output unit (`labkit.zero.units.split_root`),
 so each is gathered only around its own compute. The input unit (the embeddings) is gathered as the model
-starts and freed as the first unit starts; its backward begins when the first unit's input gets its
-gradient, so its gather is prefetched behind the first unit's backward. The output unit (final norm, head)
-is gathered as its first module starts (after the last unit) and kept across the forward/backward turn, where it is needed again at
-once (FSDP2 keeps its root the same way): one all-gather fewer per step, its weights held meanwhile.
+starts and freed as the first unit starts; its backward begins when its modules' outputs get their
+gradients, after the first unit's backward, behind which its gather is prefetched. The output unit (final
+norm, head) is gathered as its first module starts (after the last unit) and kept across the
+forward/backward turn, where it is needed again at once (FSDP2 keeps its root the same way): one all-gather
+fewer per step, its weights held meanwhile.
 """
 
 from __future__ import annotations
