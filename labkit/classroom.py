@@ -97,9 +97,9 @@ def notebook_need(path: Path) -> NotebookNeed:
 
 def notebook_needs(notebooks_dir: str | Path | None = None) -> list[NotebookNeed]:
     """`notebook_need` of every course notebook (default: the checkout's `notebooks/`)."""
-    from labkit.slides import DEFAULT_NOTEBOOKS_DIR, NOTEBOOK_PATTERN
+    from labkit.slides import NOTEBOOK_PATTERN, default_notebooks_dir
 
-    folder = Path(notebooks_dir) if notebooks_dir is not None else DEFAULT_NOTEBOOKS_DIR
+    folder = Path(notebooks_dir) if notebooks_dir is not None else default_notebooks_dir()
     paths = sorted(p for p in folder.glob("*.ipynb") if NOTEBOOK_PATTERN.match(p.name))
     if not paths:
         raise ValueError(

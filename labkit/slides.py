@@ -53,8 +53,6 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 ASSETS_DIR = PACKAGE_DIR / "slides_assets"
 TEMPLATE_DIR = PACKAGE_DIR / "slides_template"
 TEMPLATE_NAME = "labkit_reveal"
-DEFAULT_NOTEBOOKS_DIR = PACKAGE_DIR.parent / "notebooks"
-DEFAULT_CHEATSHEETS_DIR = PACKAGE_DIR.parent / "docs" / "cheatsheets"
 FIGURE_SPEC = re.compile(r"^<!--\s*figure:\s*(?P<pattern>.+?)\s*-->\n", re.M)
 FIGURE_SLOT = "{{figure}}"
 LOCAL_REVEAL_PREFIX = "reveal.js"  # relative to the deck: `build` copies the vendored reveal.js there
@@ -67,9 +65,23 @@ STATED_RUN_TIME = re.compile(r"\*\*How long\.\*\*\s*(?P<text>.+?[.!?])(?=\s|$)",
 NOTEBOOK_PATTERN = re.compile(r"^\d\d_.*\.ipynb$")
 
 
+def default_notebooks_dir() -> Path:
+    """The course's `notebooks/` (a checkout's, or the copy a wheel carries: `labkit.course`)."""
+    from labkit.course import course_path
+
+    return course_path("notebooks")
+
+
+def default_cheatsheets_dir() -> Path:
+    """The course's `docs/cheatsheets/` (`labkit.course`)."""
+    from labkit.course import course_path
+
+    return course_path("docs") / "cheatsheets"
+
+
 def course_notebooks(notebooks_dir: str | Path | None = None) -> list[Path]:
-    """The course's notebooks (`NN_*.ipynb`) in `notebooks_dir` (default: the checkout's `notebooks/`), sorted."""
-    folder = Path(notebooks_dir) if notebooks_dir is not None else DEFAULT_NOTEBOOKS_DIR
+    """The course's notebooks (`NN_*.ipynb`) in `notebooks_dir` (default: the course's `notebooks/`), sorted."""
+    folder = Path(notebooks_dir) if notebooks_dir is not None else default_notebooks_dir()
     if not folder.is_dir():
         raise ValueError(
             f"notebooks folder {str(folder)!r} does not exist; pass --notebooks DIR with the .ipynb files"
@@ -380,7 +392,7 @@ def build(
     `<name>.md` in `cheatsheets_dir` (default: the checkout's `docs/cheatsheets/`) also gets
     `<name>.cheatsheet.md` and `<name>.cheatsheet.html`.
     """
-    sheets_dir = Path(cheatsheets_dir) if cheatsheets_dir is not None else DEFAULT_CHEATSHEETS_DIR
+    sheets_dir = Path(cheatsheets_dir) if cheatsheets_dir is not None else default_cheatsheets_dir()
     notebooks = course_notebooks(notebooks_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -84,10 +84,10 @@ def test_each_notebook_predicts_twice_names_its_exercise_and_types_no_figure(nam
 @pytest.mark.parametrize("name", ALL)
 def test_cheat_sheet_types_no_figure(name):
     """A cheat sheet quotes its figure from the executed notebook (`{{figure}}`); its prose types none."""
-    from labkit.slides import DEFAULT_CHEATSHEETS_DIR, FIGURE_SPEC
+    from labkit.slides import FIGURE_SPEC, default_cheatsheets_dir
 
     prose = FIGURE_SPEC.sub(
-        "", (DEFAULT_CHEATSHEETS_DIR / name.replace(".ipynb", ".md")).read_text(), count=1
+        "", (default_cheatsheets_dir() / name.replace(".ipynb", ".md")).read_text(), count=1
     )
     typed = [m.group(0) for m in TYPED_FIGURE.finditer(prose)]
     assert not typed, f"{name}'s cheat sheet types figures (quote them via its figure line): {typed[:4]}"

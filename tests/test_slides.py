@@ -126,7 +126,7 @@ def test_slides_show_a_widgets_static_fallback():
 @pytest.mark.parametrize("name", ALL)
 def test_cheat_sheet_finds_its_figure_in_the_executed_notebook(executed, name):
     """Each docs/cheatsheets/NN_name.md quotes a line its notebook prints: the line must still be printed."""
-    source = (slides.DEFAULT_CHEATSHEETS_DIR / name.replace(".ipynb", ".md")).read_text()
+    source = (slides.default_cheatsheets_dir() / name.replace(".ipynb", ".md")).read_text()
     printed = slides.figure_line(source, executed(name))
     assert printed is not None, f"{name} no longer prints the line its cheat sheet quotes"
 
