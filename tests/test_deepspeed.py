@@ -264,18 +264,23 @@ def test_config_is_fair_by_default_and_refuses_what_it_cannot_do():
         ds_config(RunConfig(), 5)
 
 
-@pytest.fixture(scope="module")
-def under_launcher(tmp_path_factory) -> dict:
-    """One script on 2 CPU ranks under the `deepspeed` launcher (its start-up is the cost: shared by two tests).
+def _under_deepspeed_launcher(script) -> str:
+    """Run `script` on 2 CPU ranks under the `deepspeed` launcher; its stdout (it must exit 0)."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [launcher, "--num_gpus", "2", str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
-    It trains through `labkit.launch` (which, under a launcher, runs in place), then trains plain and with
-    `zero_quantized_gradients` with labkit's refusal of that CPU no-op lifted: DeepSpeed itself decides.
-    """
-    script = tmp_path_factory.mktemp("ds_launcher") / "run.py"
+
+def test_deepspeed_runs_under_the_deepspeed_launcher(tmp_path):
+    script = tmp_path / "run.py"
     script.write_text(
         textwrap.dedent(
             """
-            import json, os, sys
+            import os
             import labkit
             from labkit.engines import deepspeed as dse, loop
             from labkit.engines.base import RunConfig
@@ -285,27 +290,15 @@ def under_launcher(tmp_path_factory) -> dict:
                 return loop.train_steps(dse.build(cfg, build_model(), loop.rank_info()), cfg)
 
             losses = labkit.launch(fn, 2, RunConfig(world_size=2, steps=3))
-            dse.refuse_cuda_only_flags = lambda cfg: None  # let DeepSpeed itself decide what the flag does
-            cases = {"plain": {}, "qgz": {"zero_quantized_gradients": True}}
-            records = {k: loop.run("deepspeed", RunConfig(world_size=2, steps=3, options=v)) for k, v in cases.items()}
             if os.environ["RANK"] == "0":
-                kept = {k: {"losses": r["losses"], "comm": r["comm"]} for k, r in records.items()}
-                sys.stdout.write("RESULT " + json.dumps({"launch_losses": losses[0], "records": kept}) + "\\n")
+                print("LOSSES", losses[0])
             """
         )
     )
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(
-        [launcher, "--num_gpus", "2", str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
-
-
-def test_deepspeed_runs_under_the_deepspeed_launcher(under_launcher):
-    assert_close(under_launcher["launch_losses"], reference_losses(RunConfig(steps=3)))
+    stdout = _under_deepspeed_launcher(script)
+    line = next(x for x in stdout.splitlines() if "LOSSES" in x)
+    losses = [float(v) for v in line.split("LOSSES", 1)[1].strip(" []").split(",")]
+    assert_close(losses, reference_losses(RunConfig(steps=3)))
 
 
 def _nvme_rank(cfg: RunConfig) -> dict:
@@ -355,14 +348,32 @@ def test_nvme_config_and_its_refusals():
     loop.validate(["single", "deepspeed"], RunConfig(offload="nvme"))
 
 
-def test_quantized_gradients_under_the_deepspeed_launcher_on_cpu_change_nothing_the_probes_see(
-    under_launcher,
-):
+def test_quantized_gradients_under_the_deepspeed_launcher_on_cpu_change_nothing_the_probes_see(tmp_path):
     """qgZ accepted but a no-op: under the `deepspeed` launcher on one CPU node, DeepSpeed takes
     `zero_quantized_gradients` and runs the plain reduce-scatter. labkit refuses the flag on CPU (it does
     nothing there); with the refusal lifted, the probes see the very same collectives and bytes, and the
     losses are the plain run's."""
-    plain, qgz = under_launcher["records"]["plain"], under_launcher["records"]["qgz"]
+    script = tmp_path / "qgz.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import json, os, sys
+            from labkit.engines import deepspeed as dse, loop
+            from labkit.engines.base import RunConfig
+
+            dse.refuse_cuda_only_flags = lambda cfg: None  # let DeepSpeed itself decide what the flag does
+            cases = {"plain": {}, "qgz": {"zero_quantized_gradients": True}}
+            records = {k: loop.run("deepspeed", RunConfig(world_size=2, steps=3, options=v)) for k, v in cases.items()}
+            if os.environ["RANK"] == "0":
+                kept = {k: {"losses": r["losses"], "comm": r["comm"]} for k, r in records.items()}
+                sys.stdout.write("RECORDS " + json.dumps(kept) + "\\n")
+            """
+        )
+    )
+    stdout = _under_deepspeed_launcher(script)
+    line = next(x for x in stdout.splitlines() if x.startswith("RECORDS "))
+    records = json.loads(line.removeprefix("RECORDS "))
+    plain, qgz = records["plain"], records["qgz"]
     assert "all_to_all" not in qgz["comm"] and plain["comm"]["reduce_scatter"]["wire_bytes"] > 0
     assert qgz["comm"] == plain["comm"]  # no all-to-all, no quantized (smaller) payload: the same bytes
     assert_close(qgz["losses"], plain["losses"], rel=0.0)
