@@ -76,11 +76,9 @@ def exposed_comm(cfg: RunConfig, reps: int, comm_to_compute: float = 0.5) -> dic
     return {"link_gbytes": link, "link_s": link_s, **{k: statistics.median(v) for k, v in out.items()}}
 
 
-def exposed_floor_ratio(model_name: str) -> float:
+def exposed_floor_ratio(cfg: RunConfig) -> float:
     """The least exposed/unprefetched comm ratio the scratch engine's unit plan allows (any link speed)."""
-    model = build_model(model_name)
-    blocks = [count_params(b) for b in model.blocks]
-    return budget.unhidden_comm_share(count_params(model) - sum(blocks), blocks)
+    return scratch.exposed_floor(build_model(cfg.model), cfg, cfg.world_size)["floor_share"]
 
 
 def _probed_and_bare_steps(cfg: RunConfig, pairs: int) -> dict[str, list[float]]:
@@ -207,11 +205,12 @@ def main(argv: list[str] | None = None) -> int:
               "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     exposed_ratios = {}
     for model in ("tiny", "tiny_deep"):
-        exposed = exposed_comm(RunConfig(model=model, world_size=2, steps=steps), reps)
+        exposed_cfg = RunConfig(model=model, world_size=2, steps=steps)
+        exposed = exposed_comm(exposed_cfg, reps)
         exposed_ratios[model] = exposed["on"] / exposed["off"]
         lines.append(f"| {model} | {len(build_model(model).blocks)} | {exposed['link_gbytes']:.4f} | "
                      f"{exposed['link_s'] * 1e3:.1f} | {exposed['off'] * 1e3:.1f} | {exposed['on'] * 1e3:.1f} | "
-                     f"{exposed_ratios[model]:.2f} | {exposed_floor_ratio(model) * exposed['link_s'] * 1e3:.1f} | "
+                     f"{exposed_ratios[model]:.2f} | {exposed_floor_ratio(exposed_cfg) * exposed['link_s'] * 1e3:.1f} | "
                      f"{exposed['gloo_off'] * 1e3:.1f} | {exposed['gloo_on'] * 1e3:.1f} |")  # fmt: skip
         print(lines[-1], flush=True)
 

@@ -857,18 +857,6 @@ def _overlap_exposed_s(comm_s: float, compute_s: float, layers: int) -> float:
     return c + (layers - 1) * max(0.0, c - k)
 
 
-def unhidden_comm_share(root_params: int, block_params: Sequence[int]) -> float:
-    """The share of a step's ZeRO-3 traffic that no prefetch schedule can hide, for units root + blocks.
-
-    Each unit pays three collectives (forward gather, backward gather, reduce-scatter) in proportion to its
-    parameters. Some have no compute beside them: the root's three (they open the forward and the backward
-    and close it), block 0's forward gather and its reduce-scatter (only embeddings run before and after),
-    and the last block's backward gather (only the head's backward runs before it).
-    """
-    total = 3 * (root_params + sum(block_params))
-    return (3 * root_params + 2 * block_params[0] + block_params[-1]) / total
-
-
 class UnitCost(NamedTuple):
     """One unit of a ZeRO-3 unit plan, in forward order, as `exposed_floor` weighs it (wire bytes, one rank)."""
 

@@ -445,13 +445,6 @@ def test_plan_is_fast():
     assert math.isfinite(plan(1e12, 8192)["step_time_s"])
 
 
-def test_unhidden_comm_share_counts_the_collectives_with_no_compute_beside_them():
-    # root 10, blocks 4 x 20: of 3 x 90 collective-params, root's 3 x 10 + block 0's 2 x 20 + last's 20
-    assert budget.unhidden_comm_share(10, [20, 20, 20, 20]) == (30 + 40 + 20) / 270
-    # one block: its forward gather, reduce-scatter and backward gather are all exposed, with the root's
-    assert budget.unhidden_comm_share(10, [20]) == 1.0
-
-
 # ---- does it fit? ---------------------------------------------------------------------------------------
 
 
