@@ -9,6 +9,7 @@ A public check's probe returns its cases as [(passed, what was wrong)]; its judg
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -276,16 +277,7 @@ def _build_cases(ns: dict) -> list:
     from labkit.build import Pieces
     from labkit.build.checks import run_checks
 
-    names = (
-        "shard",
-        "gather",
-        "before_forward",
-        "after_forward",
-        "before_backward",
-        "after_grad",
-        "make_optimizer",
-    )
-    pieces = Pieces(**{name: answer(ns, name) for name in names})
+    pieces = Pieces(**{f.name: answer(ns, f.name) for f in dataclasses.fields(Pieces)})
     [result] = run_checks([("adamw", pieces)], world_size=DEMO_RANKS, quiet=True)
     return [(result.ok, result.sentence)]
 
