@@ -22,6 +22,8 @@ import sys
 import time
 from dataclasses import replace
 
+from sections import write_report  # benchmarks/sections.py (a script's own folder is on sys.path)
+
 from labkit import budget, calibrate
 from labkit.engines import scratch
 from labkit.engines.base import RunConfig
@@ -153,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(
         f"Load average as it ended (1, 5, 15 min): {load}; wall {time.perf_counter() - start:.0f} s."
     )
-    text = "\n".join(lines) + "\n"
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    write_report(args.out, lines)
     return 0
 
 

@@ -25,6 +25,7 @@ import sys
 import time
 
 import torch
+from sections import write_report  # benchmarks/sections.py (a script's own folder is on sys.path)
 
 import labkit
 from labkit import cluster
@@ -133,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *benchmark_lines(args.reps, args.steps),
     ]
-    text = "\n".join(lines) + "\n"
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    write_report(args.out, lines)
     return 0
 
 

@@ -24,6 +24,7 @@ import time
 from dataclasses import replace
 
 import torch
+from sections import write_report  # benchmarks/sections.py (a script's own folder is on sys.path)
 
 import labkit
 from labkit import budget
@@ -270,10 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(course.values())
         lines.append(f"- course {total:.0f} s (target < {TARGETS['course s']:.0f} s): "
                      f"{verdict(total, TARGETS['course s'])}")  # fmt: skip
-    text = "\n".join(lines) + "\n"
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    write_report(args.out, lines)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""One helper the benchmark scripts share: put a script's section into a results markdown file in place."""
+"""What the benchmark scripts share: writing their results markdown, whole or one section in place."""
 
 from __future__ import annotations
 
@@ -18,3 +18,11 @@ def write_section(path: str, heading: str, lines: list[str]) -> None:
         text = text.rstrip("\n") + ("\n\n" if text else "") + block
     with open(path, "w") as f:
         f.write(text)
+
+
+def write_report(path: str, lines: list[str]) -> None:
+    """Write `lines` as the whole markdown file at `path`, and print them."""
+    text = "\n".join(lines) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    print(text)
