@@ -2,12 +2,15 @@
 labkit/_course/, where labkit.course finds them when labkit runs from an installed wheel (metadata: pyproject.toml)."""
 
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-from labkit.course import FILES, FOLDERS  # labkit.course imports only the standard library
+# setuptools' PEP 517 backend runs this file without its folder on sys.path (pip install -e . from a fresh clone).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from labkit.course import FILES, FOLDERS  # noqa: E402  (labkit.course imports only the standard library)
 
 
 class BuildPyWithCourse(build_py):
