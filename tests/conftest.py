@@ -1,6 +1,6 @@
 """Fixtures shared by the notebook tests: ONE papermill run per course notebook per session.
 
-`executed(name)` runs notebooks/<name> with papermill the first time any test asks for it (kernel `python3`, cwd
+`executed(name)` runs notebooks/<name> with papermill the first time any test asks for it (kernel `labkit`, cwd
 notebooks/, a per-notebook timeout) and returns the executed copy; tests/test_notebooks.py and tests/test_claims.py
 both read those copies, so a session that runs both executes each notebook once. The wall times are printed at the
 end of the session (and written to `notebook_times.json` in the session's temporary folder).
