@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from engine_helpers import assert_close, reference_losses
+from test_fsdp1 import assert_measured_is_planned, assert_prefetch
 
 from labkit.budget import collective_wire_bytes
 from labkit.cli import main
@@ -48,41 +50,62 @@ def assert_contract(result: dict, engines: list[str], world_size: int, steps: in
             assert {"rank", "kind", "name", "start_s", "end_s"} <= set(e) and e["end_s"] >= e["start_s"]
 
 
-FIVE_ENGINES = ["single", "ddp", "scratch", "fsdp2", "deepspeed"]
+EVERY_ENGINE = ["single", "ddp", "scratch", "fsdp1", "fsdp2", "deepspeed"]
 
 
-def test_compare_of_all_five_engines_writes_the_contract_and_matches_single(tmp_path, capsys):
-    # DESIGN.md's own example, with ddp too: 4 ranks, 10 float32 steps against `single` (issue 4's acceptance;
-    # world sizes 2 and 3 are covered in test_fsdp2 and test_deepspeed, without this command's launch costs).
-    n, steps, seed = 4, 10, 1
-    result, table, err = run_compare(tmp_path, capsys, FIVE_ENGINES, n, steps, seed)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_engine_through_compare_matches_single_its_bytes_and_its_own_state_accounting(
+    n, tmp_path, capsys
+):
+    # DESIGN.md's example with ddp and fsdp1 too, at 2, 3 and 4 ranks, 10 float32 steps (issues 4 and 19):
+    # losses against `single`, bytes per collective against each engine's plan, and the state each rank
+    # keeps against the engine's own accounting (DeepSpeed's term by term in test_deepspeed).
+    steps, seed = 10, 1
+    result, table, err = run_compare(tmp_path, capsys, EVERY_ENGINE, n, steps, seed)
     # Imported after the run: importing DeepSpeed prints to stdout, which the table check reads.
-    from labkit.engines import deepspeed, fsdp2, scratch
+    from labkit.engines import deepspeed, fsdp1, fsdp2, scratch
 
-    assert_contract(result, FIVE_ENGINES, n, steps, seed)
+    assert_contract(result, EVERY_ENGINE, n, steps, seed)
     engines = result["engines"]
     # `single` is the oracle; it is plain torch AdamW on the global batch, and every engine matches it.
     assert_close(engines["single"]["losses"], reference_losses(RunConfig(steps=steps, seed=seed)))
-    for name in FIVE_ENGINES[1:]:
+    for name in EVERY_ENGINE[1:]:
         assert_close(engines[name]["losses"], engines["single"]["losses"], rel=1e-4)
 
-    # The same probe measures every engine; tiny divides by 4, so nothing is padded.
-    param_bytes = 4 * result["config"]["n_params"]
+    # The same probe measures every engine; tiny's widths divide by 2, 3 and 4, so nothing is padded.
+    n_params = result["config"]["n_params"]
+    param_bytes = 4 * n_params
     cfg, model = RunConfig(world_size=n, steps=steps, seed=seed), build_model("tiny", seed)
     assert engines["ddp"]["comm"]["all_reduce"]["wire_bytes"] == collective_wire_bytes(
         "all_reduce", param_bytes, n
     )
-    for name, engine in (("scratch", scratch), ("fsdp2", fsdp2), ("deepspeed", deepspeed)):
-        wire = {k: row["wire_bytes"] for k, row in engines[name]["comm"].items() if k != "all_reduce"}
-        assert wire == engine.predicted_wire_bytes(model, cfg, n), name
-        assert wire["reduce_scatter"] == collective_wire_bytes("reduce_scatter", param_bytes, n), name
+    accounting = {
+        scratch: scratch.state_bytes_accounting,
+        fsdp1: fsdp1.state_bytes_accounting,
+        fsdp2: fsdp2.state_bytes_accounting,
+        deepspeed: deepspeed.accounted_state_bytes,
+    }
+    for engine, accounted in accounting.items():
+        record = engines[engine.NAME]
+        wire = {k: row["wire_bytes"] for k, row in record["comm"].items() if k != "all_reduce"}
+        assert wire == engine.predicted_wire_bytes(model, cfg, n), engine.NAME
+        assert wire["reduce_scatter"] == collective_wire_bytes("reduce_scatter", param_bytes, n), engine.NAME
+        assert record["state_bytes"] == accounted(model, cfg, n), engine.NAME
+    # FSDP1 through the CLI: one collective per unit and use, and forward_prefetch / BACKWARD_PRE issuing each
+    # block's gather before that block computes (its per-option cases at 2 and 3 ranks: test_fsdp1).
+    assert_measured_is_planned(engines["fsdp1"], cfg, n)
+    assert_prefetch(engines["fsdp1"], cfg, len(model.blocks))
+    # Unsharded: single and ddp keep 16 B/param whole, plus AdamW's 4-byte step per parameter tensor.
+    tensors = len(list(model.parameters()))
+    whole = {"params": param_bytes, "grads": param_bytes, "optimizer": 2 * param_bytes + 4 * tensors}
+    assert engines["single"]["state_bytes"] == engines["ddp"]["state_bytes"] == whole
 
     # The table is printed last; ranks' own output (DeepSpeed's op loader) streams to stdout before it.
-    title = f"model tiny ({result['config']['n_params']:,} params), world size {n}, {steps} steps"
+    title = f"model tiny ({n_params:,} params), world size {n}, {steps} steps"
     table = table[next(i for i, line in enumerate(table) if line.startswith(title)) :]
     assert table[1].split()[:3] == ["engine", "final", "loss"]
-    assert [row.split()[0] for row in table[2:]] == FIVE_ENGINES
-    assert all(f"labkit compare: {name} done" in err for name in FIVE_ENGINES)
+    assert [row.split()[0] for row in table[2:]] == EVERY_ENGINE
+    assert all(f"labkit compare: {name} done" in err for name in EVERY_ENGINE)
 
 
 @pytest.mark.parametrize(
@@ -145,16 +168,20 @@ def test_each_engine_gets_the_options_it_honours_and_an_option_none_honours_is_r
         validate(["deepspeed"], RunConfig(options={"activation_checkpointing": True}))  # in the parent now
 
 
-# Which engine runs each option on its own ranks (an option is a cfg.options key or a RunConfig field).
+# Which engine runs each option on its own ranks (a cfg.options key, or a RunConfig setting that only some
+# engines read: loop.SETTING_FLAGS).
 HONOURS = {
     ("options", "hsdp_shard_size", 2): {"scratch", "fsdp1", "fsdp2"},
     ("options", "zero_hpz_partition_size", 2): {"deepspeed"},
     ("options", "activation_checkpointing", True): {"single", "ddp", "scratch", "fsdp2"},
-    ("offload", None, "nvme"): {"single", "deepspeed"},
+    ("settings", "offload", "nvme"): {"deepspeed"},
+    ("settings", "offload", "cpu"): {"scratch", "fsdp2", "deepspeed"},  # fsdp1's needs CUDA ranks
+    ("settings", "prefetch", False): {"scratch", "fsdp1", "fsdp2"},
+    ("settings", "reshard_after_forward", False): {"scratch", "fsdp1", "fsdp2"},
 }
 
 
-@pytest.mark.parametrize("setting", list(HONOURS), ids=lambda s: s[1] or s[2])
+@pytest.mark.parametrize("setting", list(HONOURS), ids=lambda s: f"{s[1]}={s[2]}")
 def test_every_engine_runs_or_refuses_each_option_never_ignores_it(setting, monkeypatch):
     from labkit.engines import ENGINES
     from labkit.engines.loop import validate
@@ -164,7 +191,7 @@ def test_every_engine_runs_or_refuses_each_option_never_ignores_it(setting, monk
     cfg = (
         RunConfig(world_size=4, options={key: value})
         if where == "options"
-        else RunConfig(world_size=4, offload=value)
+        else replace(RunConfig(world_size=4), **{key: value})
     )
     for engine in ENGINES:
         if engine in HONOURS[setting]:
@@ -174,7 +201,21 @@ def test_every_engine_runs_or_refuses_each_option_never_ignores_it(setting, monk
             validate([engine], cfg)
         said = str(refused.value)
         assert "\n" not in said and (engine in said or "only the deepspeed engine" in said), said
-        assert (key or value) in said, said
+        assert key in said, said
+
+
+def test_a_setting_no_engine_of_the_run_reads_is_refused_naming_its_flag(capsys, monkeypatch):
+    monkeypatch.setattr("labkit.cluster.max_ranks", lambda device_type=None: 8)
+    assert main(["compare", "--engines", "single,ddp", "--no-prefetch"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "labkit compare: prefetch=False (--no-prefetch): the engines of this run (single, ddp)"
+    )
+    assert err.endswith("it is scratch, fsdp1, fsdp2's") and "\n" not in err
+    # An engine of the run that reads it is enough: single is the oracle, the sharded engines prefetch or not.
+    from labkit.engines.loop import validate
+
+    validate(["single", "scratch"], RunConfig(world_size=4, prefetch=False, offload="cpu"))
 
 
 def test_compare_machine_adds_the_calibrated_prediction_beside_the_measured_step(tmp_path, capsys):

@@ -4,6 +4,8 @@ hand-made events; the figure itself."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch.distributed as dist
 from matplotlib.figure import Figure
@@ -147,7 +149,8 @@ def _train_each(runs: list[tuple[str, RunConfig]]) -> list[dict]:
 def last_steps() -> dict[str, list[list[dict]]]:
     """{engine: [rank 0's, rank 1's events of the last step]}, 2 ranks, no prefetch (the gathers are waited
     for between the units: where the hooks' order shows)."""
-    runs = [(engine, RunConfig(world_size=2, steps=2, prefetch=False)) for engine in ENGINES]
+    cfg = RunConfig(world_size=2, steps=2)  # no prefetch for the engines that have the setting
+    runs = [(e, replace(cfg, prefetch="prefetch" not in loop.engine_settings(e))) for e in ENGINES]
     per_rank = labkit.launch(_train_each, 2, runs, timeout=300)
     return {
         engine: [[e for e in r[i]["timeline"] if e["step"] == 1] for r in per_rank]

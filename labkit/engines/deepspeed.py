@@ -212,6 +212,29 @@ def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) ->
     return {term: b for term, b in terms.items() if b}
 
 
+# The probe's category (`DeepSpeedEngine.state_entries`' keys) of each term of `state_bytes_accounting`.
+STATE_OF_TERM = {
+    "parameter partition": "params",
+    "persistent full copy": "params",
+    "hpZ secondary partition": "params",
+    "gradient partitions (flat)": "grads",
+    "reduce bucket (flat)": "grads",
+    "fp32 gradient of the master partition (offload)": "grads",
+    "fp32 master partition (flat)": "optimizer",
+    "AdamW exp_avg": "optimizer",
+    "AdamW exp_avg_sq": "optimizer",
+    "AdamW step": "optimizer",
+}
+
+
+def accounted_state_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
+    """`state_bytes_accounting` summed into the probe's three categories: params, grads, optimizer (bytes)."""
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for term, b in state_bytes_accounting(model, cfg, world_size).items():
+        out[STATE_OF_TERM[term]] += b
+    return out
+
+
 def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
     """Per rank per step (steady state), the all-gather and reduce-scatter wire bytes of DeepSpeed's plan.
 

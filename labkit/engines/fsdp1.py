@@ -65,6 +65,7 @@ from labkit.model import Block
 
 NAME = "fsdp1"
 OPTIONS = ("hsdp_shard_size", "prefetch_depth", "reshard_after_forward")  # the cfg.options keys it honours
+SETTINGS = ("prefetch", "reshard_after_forward", "offload")  # the RunConfig settings it reads
 
 
 def check(cfg: RunConfig, world_size: int, device_type: str | None = None) -> int:

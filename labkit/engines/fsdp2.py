@@ -56,6 +56,7 @@ OPTIONS = (
     "reshard_after_forward",
     "activation_checkpointing",
 )  # the cfg.options keys it honours
+SETTINGS = ("prefetch", "reshard_after_forward", "offload")  # the RunConfig settings it reads
 
 
 def shard_kwargs(cfg: RunConfig, mesh: DeviceMesh) -> dict[str, Any]:
@@ -202,6 +203,26 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
         all_reduced += collective_wire_bytes("all_reduce", numel // n * 4, replicas)
     out = {"all_gather": gathered, "reduce_scatter": reduced}
     return out | ({"all_reduce": all_reduced} if replicas > 1 else {})
+
+
+def state_bytes_accounting(
+    model: nn.Module, cfg: RunConfig, world_size: int, rank: int = 0
+) -> dict[str, int]:
+    """Bytes `rank` keeps between steps, as `Fsdp2Engine.state_tensors` shows them to `labkit.probes`.
+
+    FSDP2 cuts dim 0 of each parameter into chunks of ceil(d0 / s) rows (s: the shard group, `world_size`
+    without HSDP), so a rank holds between 0 and ceil(d0 / s) rows of it: fp32 shard 4 B and gradient 4 B per
+    element it holds, AdamW's two moments 8 B, and AdamW's 4-byte `step` per parameter tensor. With every
+    d0 divisible by s that is 16 B/param / s + 4 B per tensor.
+    """
+    s = hsdp_shard_size(cfg, world_size)
+    r = rank % s
+    held = 0
+    for p in model.parameters():
+        rows = -(-p.shape[0] // s)
+        held += max(0, min(rows, p.shape[0] - r * rows)) * (p.numel() // p.shape[0])
+    tensors = len(list(model.parameters()))
+    return {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held + 4 * tensors}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,7 @@ def check_options(engines: Sequence[str], cfg: RunConfig) -> None:
         honoured |= set(getattr(checks, "OPTIONS", ()))
         if hasattr(checks, "check_run"):
             checks.check_run(options_for(name, cfg))
+    check_settings(engines, cfg)
     unknown = sorted(set(cfg.options) - honoured)
     if unknown:
         owners = [
@@ -140,6 +141,33 @@ def check_options(engines: Sequence[str], cfg: RunConfig) -> None:
             f"options {unknown}: the engines of this run ({', '.join(engines)}) have no such setting, so it "
             f"would be ignored; {'; '.join(owners)}"
         )
+
+
+# The RunConfig settings that only some engines read (each engine module's SETTINGS), with the flag of
+# `labkit compare` that sets each away from its default.
+SETTING_FLAGS = {"prefetch": "--no-prefetch", "reshard_after_forward": None, "offload": "--offload"}
+
+
+def check_settings(engines: Sequence[str], cfg: RunConfig) -> None:
+    """Refuse, in one sentence naming the setting and its flag, a non-default setting no engine of the run
+    reads (e.g. `offload="cpu"` for ddp alone), as `check_options` refuses an option."""
+    default = RunConfig()
+    for setting, flag in SETTING_FLAGS.items():
+        value = getattr(cfg, setting)
+        if value == getattr(default, setting):
+            continue
+        if any(setting in engine_settings(e) for e in engines):
+            continue
+        readers = ", ".join(e for e in ENGINES if setting in engine_settings(e))
+        raise ValueError(
+            f"{setting}={value!r}{f' ({flag})' if flag else ''}: the engines of this run "
+            f"({', '.join(engines)}) have no such setting, so it would be ignored; it is {readers}'s"
+        )
+
+
+def engine_settings(name: str) -> tuple[str, ...]:
+    """The RunConfig settings of `SETTING_FLAGS` that engine `name` reads (its light module's SETTINGS)."""
+    return tuple(getattr(importlib.import_module(CHECKS.get(name, engine_module_name(name))), "SETTINGS", ()))
 
 
 # Where each engine's OPTIONS and check_run live, when not in the engine's own module (which imports a

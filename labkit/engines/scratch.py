@@ -36,6 +36,7 @@ OPTIONS = (
     "split_root",
     "prefetch_depth",
 )  # cfg.options it honours
+SETTINGS = ("prefetch", "reshard_after_forward", "offload")  # the RunConfig settings it reads
 
 
 def check_run(cfg: RunConfig) -> None:
@@ -160,6 +161,22 @@ def predicted_wire_bytes(
                    for _, _, params in unit_plan(model, units, split_root(cfg, units))]  # fmt: skip
         out["all_reduce"] = sum(collective_wire_bytes("all_reduce", t // g * 4, replicas) for t in trained)
     return out
+
+
+def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
+    """Bytes per rank between steps, as `labkit.probes.state_bytes` counts `state_tensors()`.
+
+    Each parameter keeps its fp32 master shard (padded on dim 0 to a multiple of g, the shard group: g =
+    world_size without HSDP), 4 B x padded elements / g; a trained one also its fp32 gradient shard (4 B) and
+    AdamW's exp_avg and exp_avg_sq (8 B), under "host_optimizer" with `offload="cpu"`. Without padding or
+    frozen parameters that is 16 B/param / g.
+    """
+    g = shard_size(cfg, world_size)
+    params = list(model.parameters())
+    every = sum(padded_numel(tuple(p.shape), g) // g for p in params)
+    trained = sum(padded_numel(tuple(p.shape), g) // g for p in params if p.requires_grad)
+    optimizer = "host_optimizer" if cfg.offload == "cpu" else "optimizer"
+    return {"params": 4 * every, "grads": 4 * trained, "optimizer": 0} | {optimizer: 8 * trained}
 
 
 def exposed_floor(model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpec = None) -> dict:
