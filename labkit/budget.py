@@ -231,6 +231,11 @@ class PlanInputs:
         "hsdp: zero3 inside groups of group_size ranks, replicated across the groups",
     )
     group_size: int | None = _count(None, "ranks", "hsdp shard group; default one node (gpus_per_node)", "8")
+    trainable_params: int | None = _count(
+        None, "parameters", "parameters that train, the rest frozen (fine-tuning): a frozen one keeps only its "
+        "weights, no gradient, master or Adam moments, and is never reduce-scattered; default: all", "7e9",
+        rounded=True, low=0,
+    )  # fmt: skip
     gpus_per_node: int = _count(8, "ranks", "ranks per node: a collective inside one is on intra-node links")
     precision: str = _choice("bf16_mixed", tuple(PRECISIONS), "bytes per parameter of each state term")
     offload_optimizer: str = _choice(
@@ -310,6 +315,11 @@ class PlanInputs:
         self._check_combination()
 
     @cached_property
+    def trained_params(self) -> int:
+        """Parameters that train: `trainable_params`, or every one."""
+        return self.params if self.trainable_params is None else self.trainable_params
+
+    @cached_property
     def shard_group(self) -> int:
         """Ranks each sharded term is split over: the hsdp group (default one node), else every rank."""
         if self.strategy != "hsdp":
@@ -318,6 +328,10 @@ class PlanInputs:
 
     def _check_combination(self) -> None:
         n, gpn, strategy = self.world_size, self.gpus_per_node, self.strategy
+        if self.trained_params > self.params:
+            raise ValueError(
+                f"trainable_params must be between 0 and params={self.params}; got {self.trainable_params!r}."
+            )
         if self.largest_layer_params > self.params:
             raise ValueError(
                 f"largest_layer_params must be between 0 and params={self.params}; got {self.largest_layer_params!r}."
@@ -348,6 +362,11 @@ class PlanInputs:
             self._check_deepspeed_accounting()
 
     def _check_deepspeed_accounting(self) -> None:
+        if self.trained_params != self.params:
+            raise ValueError(
+                "accounting='deepspeed' follows DeepSpeed's estimators, which train every parameter; pass "
+                "trainable_params only with accounting='paper'."
+            )
         if self.strategy not in ("zero2", "zero3"):
             raise ValueError(
                 f"accounting='deepspeed' follows DeepSpeed's ZeRO-2/3 estimators; use strategy zero2 or zero3, not {self.strategy!r}."
@@ -497,12 +516,14 @@ class Memory(NamedTuple):
 def memory_terms(p: PlanInputs) -> Memory:
     """Each state term is replicated or split over the shard group (flat padding to a multiple of it).
 
-    The optimizer offload moves master, m, v (and a sharded gradient, held as fp32 on the host); the params
+    The weights cover every parameter; the gradient, master and Adam terms only the trained ones. The
+    optimizer offload moves master, m, v (and a sharded gradient, held as fp32 on the host); the params
     offload moves the weight shard.
     """
     bytes_of = PRECISIONS[p.precision]
     shard = {t: (p.shard_group if t in _SHARDED_TERMS[p.strategy] else 1) for t in MEMORY_TERMS}
-    elems = {t: padded_flat_numel(p.params, shard[t]) // shard[t] for t in MEMORY_TERMS}
+    count = {t: p.params if t == "weights" else p.trained_params for t in MEMORY_TERMS}
+    elems = {t: padded_flat_numel(count[t], shard[t]) // shard[t] for t in MEMORY_TERMS}
     resident = {t: int(elems[t] * bytes_of[t]) for t in MEMORY_TERMS}
     gpu = dict(resident)
     host = dict.fromkeys(MEMORY_TERMS, 0)
@@ -541,7 +562,8 @@ def transient_bytes(p: PlanInputs, mem: Memory) -> dict[str, int]:
 
 def _memory_summary(p: PlanInputs, mem: Memory) -> dict:
     bytes_per_param = sum(PRECISIONS[p.precision].values())
-    static_bytes_total = int(p.params * bytes_per_param)
+    frozen_saves = bytes_per_param - PRECISIONS[p.precision]["weights"]  # per frozen parameter
+    static_bytes_total = int(p.params * bytes_per_param - (p.params - p.trained_params) * frozen_saves)
     state_bytes_per_rank = sum(mem.gpu.values())
     transient = transient_bytes(p, mem)
     n = p.world_size
@@ -780,10 +802,10 @@ def traffic_terms(p: PlanInputs, machine: dict | None = None) -> list[Term]:
             if p.hpz:
                 c = _GATHER_BACKWARD_HPZ
         size, link, strided = _span(p, c.over)
-        # a replica all-reduce moves one rank's gradient shard; the others the whole padded flat tensor
-        numel = (
-            padded_flat_numel(p.params, g) // g if c.over == "replicas" else padded_flat_numel(p.params, size)
-        )
+        # a replica all-reduce moves one rank's gradient shard; the others the whole padded flat tensor;
+        # gradients exist for the trained parameters only
+        count = p.trained_params if c.moves == "grads" else p.params
+        numel = padded_flat_numel(count, g) // g if c.over == "replicas" else padded_flat_numel(count, size)
         name = c.name.format(replicas=size) if c.over == "replicas" else c.name
         if c.quantised_by and getattr(p, c.quantised_by):
             bytes_per_elem, suffix = _QUANTISED[c.quantised_by]
@@ -1080,6 +1102,7 @@ def plan(params: float, world_size: int, strategy: str = DEFAULTS["strategy"], *
     activations, peak_at = activation_bytes(p)
     result = {
         "params": p.params,
+        "trained_params": p.trained_params,
         "world_size": p.world_size,
         "strategy": p.strategy,
         "group_size": p.shard_group,

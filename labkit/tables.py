@@ -226,7 +226,13 @@ def plan_table(result: dict) -> str:
     why that many ranks; its sections end with the step time's assumptions and the verdict.
     """
     head = (
-        f"{budget.format_count(result['params'])} params on {result['world_size']} ranks, {result['strategy']}"
+        f"{budget.format_count(result['params'])} params"
+        + (
+            f" ({budget.format_count(result['trained_params'])} trained, the rest frozen)"
+            if result["trained_params"] != result["params"]
+            else ""
+        )
+        + f" on {result['world_size']} ranks, {result['strategy']}"
         + (
             f" (groups of {result['group_size']} x {result['replica_groups']})"
             if result["strategy"] == "hsdp"

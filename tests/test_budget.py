@@ -695,3 +695,26 @@ def test_gathered_peak_bytes_is_the_largest_run_of_depth_plus_one_units():
     assert budget.gathered_peak_bytes([1, 5, 3, 4], prefetch_depth=1) == 8
     assert budget.gathered_peak_bytes([1, 5, 3, 4], prefetch_depth=2) == 12
     assert budget.gathered_peak_bytes([1, 5, 3, 4], prefetch=False) == 5
+
+
+def test_frozen_parameters_keep_only_their_weights_and_are_never_reduce_scattered():
+    # By hand, fp32 AdamW (4 + 4 + 4 + 4 B/param) on 4 ranks, 400 of 1000 parameters trained: the weights
+    # of all 1000 (4 x 1000 / 4 = 1000 B per rank), gradient and moments of the 400 (3 x 4 x 400 / 4 = 1200 B).
+    r = plan(1000, 4, precision="fp32", trainable_params=400)
+    assert r["memory_bytes_per_rank"] == {
+        "weights": 1000,
+        "grads": 400,
+        "master": 0,
+        "adam_m": 400,
+        "adam_v": 400,
+    }
+    assert r["state_bytes_per_rank"] == 2200 and r["static_bytes_total"] == 16 * 1000 - 12 * 600
+    payload = {t["key"]: t["payload_bytes"] for t in r["traffic_terms"]}
+    assert payload == {"all_gather_forward": 4000, "all_gather_backward": 4000, "reduce_scatter": 1600}
+    assert (
+        plan(1000, 4, trainable_params=1000)["state_bytes_per_rank"] == plan(1000, 4)["state_bytes_per_rank"]
+    )
+    with pytest.raises(ValueError, match="trainable_params must be between 0 and params=1000"):
+        plan(1000, 4, trainable_params=1001)
+    with pytest.raises(ValueError, match="accounting='deepspeed' .* train every parameter"):
+        plan(1000, 8, accounting="deepspeed", trainable_params=10)

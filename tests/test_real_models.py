@@ -360,11 +360,15 @@ def test_frozen_parameters_are_sharded_never_updated_and_drop_the_optimizers_sha
     all_elems = sum(padded.values())
     trained = sum(padded[id(p)] for p in params if p.requires_grad)
     assert r["state_bytes"] == {"params": 4 * all_elems, "grads": 4 * trained, "optimizer": 8 * trained}
-    # The budget's fp32 terms: a frozen parameter keeps only its weight, so it saves the other four terms.
-    fp32 = budget.PRECISIONS["fp32"]
-    saved_per_param = sum(v for term, v in fp32.items() if term != "weights")
-    unfrozen = 16 * all_elems
-    assert unfrozen - sum(r["state_bytes"].values()) == saved_per_param * (all_elems - trained)
+    assert r["state_bytes"] == scratch.state_bytes_accounting(model, RunConfig(world_size=n), n)
+    # The budget says it too: with trainable_params the plan keeps the weights of every parameter and the
+    # other terms of the trained ones (its counts given as the padded elements, so no padding of its own).
+    frozen = budget.plan(n * all_elems, n, precision="fp32", trainable_params=n * trained)
+    unfrozen = budget.plan(n * all_elems, n, precision="fp32")
+    assert frozen["state_bytes_per_rank"] == sum(r["state_bytes"].values())
+    assert unfrozen["state_bytes_per_rank"] - frozen["state_bytes_per_rank"] == 12 * (all_elems - trained)
+    traffic = {t["key"]: t["payload_bytes"] for t in frozen["traffic_terms"]}
+    assert traffic["reduce_scatter"] == 4 * n * trained and traffic["all_gather_forward"] == 4 * n * all_elems
 
 
 def test_hsdp_trains_a_frozen_and_tied_model_like_single(runs, oracle):
