@@ -117,6 +117,10 @@ def test_every_prediction_is_revealed_under_papermill(executed, name):
     assert all(c.outputs for c in asked), f"{name}: a `predict` cell shows nothing"
 
 
+def test_00_draws_what_each_rank_holds_before_and_after_each_collective(executed):
+    assert _figures(executed("00_start_here.ipynb"), "75426772") == 2  # the all-gather, the reduce-scatter
+
+
 def test_01_ratios_and_budget(executed):
     text = _text(executed("01_memory.ipynb"))
     ratios = [float(x) for x in re.findall(r"^\s*\w+\s+[\d,]+\s+[\d,]+\s+(\d\.\d{3})$", text, re.M)]
@@ -128,6 +132,7 @@ def test_01_ratios_and_budget(executed):
 
 def test_02_loss_equality_and_bytes_formula(executed):
     text = _text(executed("02_zero3_from_scratch.ipynb"))
+    assert "A check above failed" not in text  # the loop trained the notebook's own build cells
     worst = float(re.search(r"largest relative difference: (\S+)", text).group(1))
     assert worst < 1e-4
     ratios = re.findall(r"ratio (\d\.\d{4})", text)
@@ -166,6 +171,17 @@ def test_05_fsdp2_features(executed):
     assert max(abs(a - b) / b for a, b in zip(before, after, strict=True)) < 1e-5, (before, after)
     assert "1 pre_forward lines" not in text.split("root only")[0]  # the correct wrap logs every block
     assert "all-gathers in the step: 1, " in text and "= 100% of the model's parameters" in text
+    # labkit's own ZeRO-3 on PyTorch's nn.TransformerEncoder (widths 3 ranks do not divide): = single, bytes.
+    encoder = re.search(r"losses \[.*\] vs single: largest relative difference (\S+)", text)
+    assert encoder and float(encoder.group(1)) < 1e-4, text
+    assert re.search(r"^reduce_scatter\s+measured .* equal$", text, re.M) and "DIFFERENT" not in text
+    assert _figures(executed("05_fsdp2_surface.ipynb"), "51152809") == 1  # the HSDP and TP+FSDP meshes
+
+
+def _figures(nb: nbformat.NotebookNode, cell_id: str) -> int:
+    """How many PNG figures the cell `cell_id` of an executed notebook displayed."""
+    cell = next(c for c in nb.cells if c.get("id") == cell_id)
+    return sum("image/png" in o.get("data", {}) for o in cell.get("outputs", []))
 
 
 def test_06_deepspeed_knobs_and_scale(executed):

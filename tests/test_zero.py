@@ -372,6 +372,15 @@ def test_scratch_hsdp_in_labkit_compare_matches_fsdp2_single_and_the_budget(tmp_
     assert wire["scratch"] == wire["fsdp2"] | {
         "all_gather": wire["fsdp2"]["all_gather"] + collective_wire_bytes("all_gather", input_bytes, 2)
     }
+    # In that order, as FSDP2 does: a unit's gradients are reduce-scattered inside its shard group of 2, then
+    # its shard is all-reduced across the 2 replicas; the k-th all-reduce follows the k-th reduce-scatter.
+    reductions = [(c["kind"], c["group_size"]) for c in ours["collective_calls"] if c["kind"] != "all_gather"]
+    units = len(model.blocks) + 2  # the blocks, the input unit and the output unit
+    assert sorted(set(reductions)) == [("all_reduce", 2), ("reduce_scatter", 2)], reductions
+    kinds = [kind for kind, _ in reductions]
+    assert kinds.count("reduce_scatter") == kinds.count("all_reduce") == units, kinds
+    assert all(kinds[:i].count("reduce_scatter") > kinds[:i].count("all_reduce") for i, k in enumerate(kinds)
+               if k == "all_reduce"), kinds  # fmt: skip
 
 
 def test_options_the_scratch_engine_does_not_implement_are_refused_in_one_sentence(capsys, monkeypatch):
