@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
         RendezvousConnectionError,
         RendezvousError,
         RendezvousTimeoutError,
@@ -86,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(
             f"cannot reach the rendezvous store at {where} ({cause}); pass --rdzv-endpoint HOST:PORT of the "
             "first node's agent, with the port open to every node"
+        )
+    except RendezvousClosedError:
+        return _fail(
+            f"the rendezvous at {where} was closed by another node's agent before this node's ranks ran (its "
+            "ranks failed first: its own message says why); fix that, then start every node again"
         )
     except RendezvousError as e:
         return _fail(f"the rendezvous at {where} failed: {type(e).__name__}: {str(e).strip() or 'no detail'}")
