@@ -558,8 +558,8 @@ def test_a_hostile_submission_is_contained(side_runs):
         assert side_runs["received"] == [], "the submission reached a server on the grading machine"
         assert "ConnectionRefusedError" in feedback["zero2"] or "unreachable" in feedback["zero2"]
         assert "FileNotFoundError" in feedback["zero3"] and "bob's own work" not in feedback["zero3"]
-    else:
-        assert "bwrap" in contained["sandbox"], contained  # it says why it is not sandboxed
+    else:  # where CI runs, bubblewrap is installed (tests/apt.txt) and must contain it
+        assert "bwrap" in contained["sandbox"] and not os.environ.get("CI"), contained
     assert feedback["fewest ranks to fit the state"] == "all 6 cases right"
 
 
@@ -805,7 +805,9 @@ def test_sizes_parse_as_powers_of_1024():
         sandbox.parse_size("lots")
 
 
-@pytest.mark.skipif(not sandbox.bwrap_usable(), reason="bubblewrap cannot build a sandbox here")
+@pytest.mark.skipif(
+    not sandbox.bwrap_usable() and not os.environ.get("CI"), reason="bubblewrap cannot build a sandbox here"
+)
 def test_the_sandbox_runs_an_interpreter_reached_through_a_symlink_under_tmp(tmp_path):
     """A venv linked into /tmp (a worktree's `.venv -> ../main/.venv`): the sandbox binds real paths and
     mounts its own /tmp, yet the child starts, sees the folder under /tmp it was given, and not the rest."""
@@ -831,3 +833,40 @@ def test_the_sandbox_runs_an_interpreter_reached_through_a_symlink_under_tmp(tmp
     status, prefix, rest = done.stdout.strip().split(" ", 2)
     assert status == "0" and os.path.realpath(prefix) == os.path.realpath(sys.prefix), done.stdout
     assert "'marker'" in rest and rest.endswith("False"), done.stdout
+
+
+@pytest.mark.skipif(
+    not sandbox.bwrap_usable() and not os.environ.get("CI"), reason="bubblewrap cannot build a sandbox here"
+)
+def test_the_sandbox_hides_the_solutions_where_it_would_see_them(tmp_path, monkeypatch):
+    """A course folder inside what the sandbox binds (as a wheel's labkit/_course is): a submission sees its
+    exercises/ but an empty solutions/."""
+    course = tmp_path / "course"
+    for folder in ("exercises", "solutions"):
+        (course / folder).mkdir(parents=True)
+        (course / folder / "01.ipynb").write_text(folder)
+    monkeypatch.setenv("LABKIT_COURSE", str(course))
+    roots = sandbox._read_only_roots()
+    monkeypatch.setattr(sandbox, "_read_only_roots", lambda: [*roots, str(course)])
+    work = tmp_path / "work"
+    work.mkdir()
+    child = (
+        "import sys; from pathlib import Path; c = Path(sys.argv[1]); "
+        "print(sorted(p.name for p in c.iterdir()), [f.read_text() for f in sorted(c.glob('*/01.ipynb'))])"
+    )
+    out = sandbox.run([sys.executable, "-c", child, str(course)], work, 60, work / "log",
+                      limits=sandbox.Limits(sandbox="bwrap"))  # fmt: skip
+    said = (work / "log").read_text().strip()
+    assert out.returncode == 0, said
+    assert said == "['exercises', 'solutions'] ['exercises']", said
+
+
+def test_check_in_the_students_kernel_says_what_to_run_again_after_a_restart(capsys):
+    from labkit.grading import feedback
+
+    feedback.check("ex01_memory", {}, seed=0)  # a fresh kernel: no answer cell has run
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("Memory arithmetic per strategy: 0/6") or ": 0/" in out[0], out
+    missing = [line for line in out[1:] if "not defined in this kernel: run its answer cell again" in line]
+    assert len(missing) == len(out) - 1 == len(load("ex01_memory").checks), out
+    assert any("`min_ranks_to_fit` not defined" in line for line in missing), out

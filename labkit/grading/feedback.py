@@ -31,6 +31,13 @@ def check(exercise_id: str, namespace: dict, seed: int | None = None) -> None:
         for name in c.answers
         if name in origins
     }
+    for c in exercise.checks:  # after a kernel restart nothing is defined until its cell runs again
+        missing = [f"`{name}`" for name in c.answers if name not in namespace]
+        if missing and c.name not in flags:
+            flags[c.name] = (
+                f"{', '.join(missing)} not defined in this kernel: run its answer cell again (after a kernel "
+                "restart, run the cells above it first)"
+            )
     entries = judge_all(exercise, probe_all(exercise, namespace, seed), seed, flags=flags)
     score = sum(e["points"] for e in entries)
     print(f"{exercise.title}: {format_points(round(score, 2))}/{exercise.max_score} ({note})")

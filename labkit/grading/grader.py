@@ -298,7 +298,8 @@ def _grade_in(tmp: Path, sub: _Submission, exercise: Exercise, cells: list[dict]
     reason = f"the answer cells, run again on their own, {probed.describe()}{during}"
     if probed.out_of_memory:
         sub.extra["limits_hit"].append({"where": progress or "answers", "limit": "memory", "what": reason})
-    elif (probed.returncode or 0) >= 0 and (tail := _log_tail(tmp / "answers.log")):
+        return sub.finish("memory", _not_graded(exercise, reason), reason, exercise.id)
+    if (probed.returncode or 0) >= 0 and (tail := _log_tail(tmp / "answers.log")):
         reason += f": {tail}"
     return sub.finish("error", _not_graded(exercise, reason), reason, exercise.id)
 

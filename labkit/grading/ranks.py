@@ -3,7 +3,7 @@
 Each rank appends one line per event to its own file while it runs (a collective entered, with its tensors'
 shapes, and left; the rank's function returned or raised), so the record survives a rank that is killed.
 When the launch fails, `diagnose` compares the ranks' records: the first collective where they disagree
-becomes one sentence ("rank 0 returned without calling all_gather_into_tensor; ranks 1-2 waited in it")
+becomes one sentence ("rank 0 returned without calling all_gather_single; ranks 1-2 waited in it")
 instead of gloo's "Connection closed by peer".
 """
 

@@ -1,6 +1,6 @@
 """The report of one submission (JSON, the grading contract), its feedback page, and the gradebook of a class.
 
-Report: {"exercise", "status": "graded"|"error"|"timeout", "score", "max_score", "runtime_s",
+Report: {"exercise", "status": "graded"|"error"|"timeout"|"memory", "score", "max_score", "runtime_s",
 "checks": [{"name", "points", "max_points", "passed", "feedback"}]} plus what the grader knows about the
 run (see docs/grading.md). `score` is always the sum of the checks' points as the grader judged them; a
 status other than "graded" scores 0.
@@ -18,7 +18,12 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-STATUSES = ("graded", "error", "timeout")
+STATUSES = (
+    "graded",
+    "error",
+    "timeout",
+    "memory",
+)  # memory: the answers process was killed at --memory-limit
 MISSING = "missing"  # a gradebook status only: a rostered student with no submission
 GRADEBOOK_COLUMNS = ("student", "name", "file", "exercise", "status", "score", "max", "submitted_at", "late",
                      "seed", "class_seed", "feedback", "reason", "warning", "runtime", "labkit_version")  # fmt: skip

@@ -410,6 +410,18 @@ def _read_only_roots() -> list[str]:
     return [r for r in dict.fromkeys(os.path.realpath(r) for r in roots) if os.path.isdir(r)]
 
 
+def _solutions_in(roots: list[str]) -> list[str]:
+    """The course's solutions/ where a sandbox would see it (inside a read-only root: the copy a wheel carries
+    in labkit/_course, or a checkout under /opt), to be hidden under an empty tmpfs."""
+    from labkit.course import course_path
+
+    try:
+        solutions = os.path.realpath(course_path("solutions"))
+    except ValueError:  # no course folder at all
+        return []
+    return [solutions] if any(solutions.startswith(root.rstrip("/") + "/") for root in roots) else []
+
+
 def bwrap_argv(writable: Path, cwd: Path, env: dict[str, str]) -> list[str]:
     """The bubblewrap command line that runs a child in the sandbox the module docstring describes."""
     argv = ["bwrap", "--die-with-parent", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
@@ -421,10 +433,13 @@ def bwrap_argv(writable: Path, cwd: Path, env: dict[str, str]) -> list[str]:
             argv += ["--ro-bind", top, top]
     # The private /dev and /tmp first: an environment or a checkout under /tmp is bound on top of it.
     argv += ["--dev", "/dev", "--tmpfs", "/dev/shm", "--proc", "/proc", "--tmpfs", "/tmp"]
-    for root in _read_only_roots():
+    roots = _read_only_roots()
+    for root in roots:
         argv += ["--ro-bind", root, root]
     argv += [arg for f in _MASKED_FILES if os.path.exists(f) for arg in ("--ro-bind", "/dev/null", f)]
-    argv += [arg for d in _MASKED_DIRS if os.path.isdir(d) for arg in ("--tmpfs", d)]
+    argv += [
+        arg for d in (*_MASKED_DIRS, *_solutions_in(roots)) if os.path.isdir(d) for arg in ("--tmpfs", d)
+    ]
     argv += [arg for dev in sorted(glob.glob("/dev/nvidia*")) for arg in ("--dev-bind", dev, dev)]
     argv += ["--bind", str(writable), str(writable), "--chdir", str(cwd)]
     for key, value in env.items():

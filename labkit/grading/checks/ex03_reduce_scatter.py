@@ -151,7 +151,7 @@ def _calls_judge(got: list, seed: int) -> tuple[float, str]:
     if len(scatters) == len(_flat_numels(seed)) and "all_reduce" not in kinds:
         return 1.0, f"one {scatters[0]} per buffer and no all-reduce: (n-1)/n of the buffer on the wire"
     return 0.0, (
-        f"saw {calls or 'no torch.distributed collective'}; want one dist.reduce_scatter_tensor per buffer "
+        f"saw {calls or 'no torch.distributed collective'}; want one dist.reduce_scatter_single per buffer "
         "(an all-reduce moves twice the bytes and leaves every rank the whole sum)"
     )
 
