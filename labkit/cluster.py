@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import faulthandler
 import importlib
+import io
 import json
 import math
 import mmap
@@ -262,6 +263,27 @@ def launch(
 # ---------------------------------------------------------------------------------------------- parent
 
 
+class _RankPickler(cloudpickle.CloudPickler):
+    """cloudpickle, refusing a tensor that is not on the CPU: unpickled in every rank, it would land on the
+    parent's device (every rank on cuda:0), not on the rank's own."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            raise ValueError(
+                f"the function or its arguments hold a tensor on {obj.device} (shape {tuple(obj.shape)}): every "
+                "rank would load it onto that same device; pass it on the CPU and move it inside the function "
+                "with .to(labkit.engines.loop.rank_info().device)"
+            )
+        return super().reducer_override(obj)
+
+
+def dumps_for_ranks(call: Any) -> bytes:
+    """(fn, args, kwargs) by value for spawned ranks; ValueError, one sentence, for a tensor off the CPU."""
+    buffer = io.BytesIO()
+    _RankPickler(buffer).dump(call)
+    return buffer.getvalue()
+
+
 class _Run:
     """One launch: `world_size` children meeting at rank 0's TCP store, their logs tailed, failures read."""
 
@@ -272,7 +294,7 @@ class _Run:
         # Forked children inherit `fn` as it is (tracebacks keep real file names and source lines);
         # spawned ones get it by value.
         call = (fn, args, kwargs)
-        self.payload = call if where.start_method == "fork" else cloudpickle.dumps(call)
+        self.payload = call if where.start_method == "fork" else dumps_for_ranks(call)
         if where.start_method == "fork":
             # torch.optim's first optimizer imports torch._dynamo, about 2 s per process: imported here
             # once, every forked rank of every launch inherits it instead.
@@ -374,9 +396,10 @@ class _Run:
         reports = [e for e in reports if e is not None]
         if reports and self._read_json(f"error{rank}.json") is not None:
             first = min(reports, key=lambda e: e["time"])
+            error = fold_native_frames(first["error"])
             return LaunchError(
-                f"rank {first['rank']} failed: {first['error']}\n\n"
-                f"Traceback from rank {first['rank']}:\n{first['traceback']}",
+                f"rank {first['rank']} failed: {error}{collective_hint(error)}\n\n"
+                f"Traceback from rank {first['rank']}:\n{fold_native_frames(first['traceback'])}",
                 first["rank"],
                 first["traceback"],
             )
@@ -385,7 +408,13 @@ class _Run:
             if failure.exitcode < 0
             else f"exited with status {failure.exitcode}"
         )
-        log = _tail_text(os.path.join(self.dir, f"rank{rank}.log"))
+        log_path = os.path.join(self.dir, f"rank{rank}.log")
+        cause, frame = native_failure(_tail_text(log_path, max_lines=400))
+        if cause:  # a C++ library aborted the rank (gloo's checks do): its own line first, the C stack folded
+            where = f" at {frame}" if frame else ""
+            return LaunchError(f"rank {rank} {how}{where}: {cause}{collective_hint(cause)}", rank,
+                               _tail_text(log_path, max_lines=400))  # fmt: skip
+        log = _tail_text(log_path)
         return LaunchError(
             f"rank {rank} {how} before returning" + (f"; its last output:\n{log}" if log else ""), rank
         )
@@ -462,6 +491,9 @@ def _rank_main(payload: bytes | tuple, run_dir: str, backend: str) -> bytes:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # being stopped by the parent is not this rank's error
     stack_file = open(os.path.join(run_dir, f"stack{rank}.txt"), "w")  # noqa: SIM115 (kept open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+    # A C++ abort (gloo's checks) dumps the Python stack into this rank's own log, where `native_failure`
+    # reads the caller's frame (a parent's faulthandler, e.g. pytest's, would write it elsewhere).
+    faulthandler.enable(file=2, all_threads=True)
     _track_collectives(os.path.join(run_dir, f"status{rank}"))
     # A forked rank must not use the OpenMP pool it inherited from a parent that computed (libgomp is
     # not fork-safe: the first parallel region can hang), so forked ranks run one intra-op thread.
@@ -575,6 +607,45 @@ def _empty_dir(path: str) -> None:
     for name in os.listdir(path):
         full = os.path.join(path, name)
         shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
+
+
+_WHAT = re.compile(r"what\(\):\s*(.+)")  # std::terminate's line: the C++ exception's message
+_MISMATCH = ("doesn't match expected size", "collective mismatch")
+
+
+def native_failure(log: str) -> tuple[str, str]:
+    """From a rank's output after a C++ abort: (the exception's own message, where the rank's code was, as
+    `_user_frame` says it); ('', '') when the log holds no such message."""
+    text = "\n".join(re.sub(r"^\[rank \d+\]\s?", "", line) for line in log.splitlines())
+    cause = next((m.group(1).strip() for m in _WHAT.finditer(text)), "")
+    return (cause, _user_frame(text)) if cause else ("", "")
+
+
+def fold_native_frames(text: str) -> str:
+    """`text` without the C++ stack torch appends to an error ('Exception raised from ...', 'frame #N: ...'),
+    one line saying how many frames were folded in its place."""
+    kept, folded = [], 0
+    for line in text.splitlines():
+        if re.match(r"\s*(frame #\d+:|Exception raised from )", line):
+            folded += 1
+            continue
+        if folded:
+            kept.append(f"  ({folded} C++ frames folded)")
+            folded = 0
+        kept.append(line)
+    if folded:
+        kept.append(f"  ({folded} C++ frames folded)")
+    return "\n".join(kept)
+
+
+def collective_hint(message: str) -> str:
+    """A sentence for the failures that mean the ranks' collectives did not match, else ''."""
+    if not any(text in message for text in _MISMATCH):
+        return ""
+    return (
+        " — the ranks' collectives did not match: every rank must call the same collectives, in the same "
+        "order, with tensors of the same size"
+    )
 
 
 def _tail_text(path: str, max_lines: int = 20) -> str:

@@ -162,3 +162,37 @@ def test_under_real_torchrun_launch_runs_in_place(tmp_path):
     out = subprocess.run(torchrun, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("RESULT [6.0, 6.0, 6.0, 6.0]") == 4
+
+
+def _gather_a_wrong_shard():
+    shard = torch.ones(2 if dist.get_rank() < 2 else 3)  # rank 2's shard is one element too long
+    out = torch.empty(shard.numel() * dist.get_world_size())  # each rank consistent with itself
+    dist.all_gather_single(out, shard)
+    return out.sum().item()
+
+
+def test_a_collective_mismatch_that_aborts_a_rank_leads_with_its_own_line_and_a_hint():
+    """gloo aborts the process (std::terminate) when sizes differ: the parent reads the C++ message and the
+    innermost frame of the caller's code from the rank's output, not the tail of its stack dump."""
+    with pytest.raises(LaunchError) as failed:
+        labkit.launch(_gather_a_wrong_shard, 3, timeout=60)
+    said = str(failed.value)
+    first = said.splitlines()[0]
+    assert first.startswith("rank ") and " was killed by signal SIGABRT at " in first
+    assert (
+        "test_cluster.py:" in first
+        and " in _gather_a_wrong_shard (inside torch's all_gather_single): " in first
+    )
+    assert "Received data size doesn't match expected size" in first, said
+    assert first.endswith(
+        "every rank must call the same collectives, in the same order, with tensors of the same size"
+    )
+    assert len(said.splitlines()) == 1 and "multiprocessing" not in said
+    assert _no_children_left()
+
+
+def test_torchs_cpp_frames_are_folded_out_of_a_ranks_error():
+    from labkit.cluster import fold_native_frames
+
+    error = "RuntimeError: boom\nException raised from f at x.cpp:1 (most recent call first):\nframe #0: a\nframe #1: b\n"
+    assert fold_native_frames(error) == "RuntimeError: boom\n  (3 C++ frames folded)"

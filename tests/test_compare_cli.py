@@ -174,10 +174,11 @@ HONOURS = {
     ("options", "hsdp_shard_size", 2): {"scratch", "fsdp1", "fsdp2"},
     ("options", "zero_hpz_partition_size", 2): {"deepspeed"},
     ("options", "activation_checkpointing", True): {"single", "ddp", "scratch", "fsdp2"},
-    ("settings", "offload", "nvme"): {"deepspeed"},
-    ("settings", "offload", "cpu"): {"scratch", "fsdp2", "deepspeed"},  # fsdp1's needs CUDA ranks
-    ("settings", "prefetch", False): {"scratch", "fsdp1", "fsdp2"},
-    ("settings", "reshard_after_forward", False): {"scratch", "fsdp1", "fsdp2"},
+    # single, the oracle, runs under any of them (none changes its arithmetic), beside the engines that read it
+    ("settings", "offload", "nvme"): {"single", "deepspeed"},
+    ("settings", "offload", "cpu"): {"single", "scratch", "fsdp2", "deepspeed"},  # fsdp1's needs CUDA ranks
+    ("settings", "prefetch", False): {"single", "scratch", "fsdp1", "fsdp2"},
+    ("settings", "reshard_after_forward", False): {"single", "scratch", "fsdp1", "fsdp2"},
 }
 
 
@@ -206,16 +207,19 @@ def test_every_engine_runs_or_refuses_each_option_never_ignores_it(setting, monk
 
 def test_a_setting_no_engine_of_the_run_reads_is_refused_naming_its_flag(capsys, monkeypatch):
     monkeypatch.setattr("labkit.cluster.max_ranks", lambda device_type=None: 8)
-    assert main(["compare", "--engines", "single,ddp", "--no-prefetch"]) == 2
+    assert main(["compare", "--engines", "ddp", "--no-prefetch"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(
-        "labkit compare: prefetch=False (--no-prefetch): the engines of this run (single, ddp)"
-    )
+    assert err.startswith("labkit compare: prefetch=False (--no-prefetch): the engines of this run (ddp)")
     assert err.endswith("it is scratch, fsdp1, fsdp2's") and "\n" not in err
-    # An engine of the run that reads it is enough: single is the oracle, the sharded engines prefetch or not.
+    # An engine of the run that reads it is enough; single, the oracle, runs under any config.
     from labkit.engines.loop import validate
 
-    validate(["single", "scratch"], RunConfig(world_size=4, prefetch=False, offload="cpu"))
+    validate(["ddp", "scratch"], RunConfig(world_size=4, prefetch=False, offload="cpu"))
+    validate(["single"], RunConfig(world_size=4, prefetch=False, offload="nvme"))
+    with pytest.raises(
+        ValueError, match=r"offload='cpu' \(--offload\): the engines of this run \(single, ddp\)"
+    ):
+        validate(["single", "ddp"], RunConfig(world_size=4, offload="cpu"))
 
 
 def test_compare_machine_adds_the_calibrated_prediction_beside_the_measured_step(tmp_path, capsys):

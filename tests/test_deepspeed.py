@@ -331,6 +331,24 @@ def test_nvme_offload_keeps_the_optimizer_state_in_files_and_the_losses():
     assert not os.path.exists(swap_dir)
 
 
+def test_qwz_on_gpu_ranks_without_a_built_quantizer_is_refused_in_one_sentence(tmp_path):
+    from labkit.engines import deepspeed as dse
+
+    qwz = RunConfig(options={"zero_quantized_weights": True})
+    with pytest.raises(ValueError) as refused:
+        dse.refuse_unbuilt_quantizer(qwz, accelerator="cuda", ext_dir=str(tmp_path))
+    said = str(refused.value)
+    assert said.startswith(
+        "zero_quantized_weights=True needs DeepSpeed's CUDA quantizer op, and it is missing"
+    )
+    assert "python -m labkit.prebuild" in said and "\n" not in said
+    (tmp_path / "quantizer").mkdir()
+    (tmp_path / "quantizer" / "quantizer.so").write_bytes(b"")  # built at set-up: nothing to say
+    dse.refuse_unbuilt_quantizer(qwz, accelerator="cuda", ext_dir=str(tmp_path))
+    dse.refuse_unbuilt_quantizer(RunConfig(), accelerator="cuda", ext_dir=str(tmp_path / "none"))  # no ZeRO++
+    dse.refuse_unbuilt_quantizer(qwz, accelerator="cpu")  # CPU ranks: refuse_cuda_only_flags says why
+
+
 def test_nvme_config_and_its_refusals():
     zero = ds_config(RunConfig(offload="nvme", options={"nvme_path": "/x"}), 2)
     assert zero["zero_optimization"]["offload_optimizer"] == {

@@ -1,6 +1,6 @@
 """The CUDA path's logic, exercised on CPU: where ranks go for made-up GPU counts, the backend string they
 get, one shared placement of every rank-side helper's model and batches, host pinning decided by the
-tensor, checkpoints written on GPU ranks read on CPU ranks, and the GPU smoke script's refusal here.
+tensor, checkpoints written on GPU ranks read on CPU ranks, a closure's GPU tensor refused before spawning.
 
 What needs a GPU to run is `benchmarks/gpu_smoke.py`; these tests hold everywhere (no mock collectives:
 the multi-rank ones run real gloo ranks)."""
@@ -288,4 +288,14 @@ def test_a_checkpoint_written_on_cuda_ranks_loads_on_cpu_ranks(tmp_path):
     assert labkit.launch(_load, 2, str(tmp_path)) == saved
 
 
-# ------------------------------------------------------------------------------------------- GPU smoke
+def test_a_tensor_off_the_cpu_sent_to_spawned_ranks_is_refused_in_one_sentence():
+    """A notebook cell's closure holding a GPU tensor would land on the parent's GPU in every rank; the
+    meta device stands in for CUDA here (the pickler refuses any device but the CPU)."""
+    import cloudpickle
+
+    weights = torch.empty(3, 4, device="meta")
+    with pytest.raises(ValueError, match=r"hold a tensor on meta \(shape \(3, 4\)\): every rank would load"):
+        cluster.dumps_for_ranks((lambda: weights.sum(), (), {}))
+    ones = torch.ones(2)
+    fn, args, kwargs = cloudpickle.loads(cluster.dumps_for_ranks((lambda k: ones.sum() * k, (3,), {})))
+    assert fn(*args, **kwargs) == 6

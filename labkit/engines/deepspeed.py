@@ -53,6 +53,30 @@ def refuse_cuda_only_flags(cfg: RunConfig) -> None:
             )
 
 
+def refuse_unbuilt_quantizer(
+    cfg: RunConfig, accelerator: str | None = None, ext_dir: str | None = None
+) -> None:
+    """On GPU ranks, raise one sentence for qwZ / qgZ when DeepSpeed's quantizer op is neither installed with
+    DeepSpeed (`DS_BUILD_QUANTIZER=1`, the hub image) nor built at set-up (`labkit.prebuild`'s CUDA folder,
+    or `ext_dir`): DeepSpeed would compile it for minutes inside the student's cell, or fail without nvcc."""
+    flags = [flag for flag in _CUDA_ONLY_FLAGS if cfg.options.get(flag)]
+    if not flags or (accelerator or get_accelerator().device_name()) == "cpu":
+        return
+    from deepspeed.git_version_info import installed_ops
+
+    from labkit import prebuild
+
+    if installed_ops.get("quantizer"):
+        return
+    status = prebuild.op_status("quantizer", ext_dir or prebuild.extensions_dir("cuda")).status
+    if status != "built":
+        raise ValueError(
+            f"{flags[0]}=True needs DeepSpeed's CUDA quantizer op, and it is {status} on this node (it would "
+            "compile now, inside this run): run `python -m labkit.prebuild` here, with nvcc and CUDA_HOME "
+            "(`labkit doctor` says which is missing)"
+        )
+
+
 def refuse_nvme_without_async_io(cfg: RunConfig) -> None:
     """Raise one sentence for NVMe offload when DeepSpeed's async_io op was not built at set-up."""
     if cfg.offload != "nvme":
@@ -325,6 +349,7 @@ def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> DeepSpeedEng
     direction instead of one per sub-module (`ds_config.matched_to_fsdp2`).
     """
     refuse_cuda_only_flags(cfg)
+    refuse_unbuilt_quantizer(cfg)
     refuse_nvme_without_async_io(cfg)
     config = ds_config(cfg, rank_info.world_size)
     if cfg.options.get("z3_leaf_blocks"):

@@ -150,13 +150,15 @@ SETTING_FLAGS = {"prefetch": "--no-prefetch", "reshard_after_forward": None, "of
 
 def check_settings(engines: Sequence[str], cfg: RunConfig) -> None:
     """Refuse, in one sentence naming the setting and its flag, a non-default setting no engine of the run
-    reads (e.g. `offload="cpu"` for ddp alone), as `check_options` refuses an option."""
+    reads (e.g. `offload="cpu"` for ddp alone), as `check_options` refuses an option. The oracle (`single`)
+    takes any of them alone or beside an engine that reads them: none changes its arithmetic."""
     default = RunConfig()
     for setting, flag in SETTING_FLAGS.items():
         value = getattr(cfg, setting)
         if value == getattr(default, setting):
             continue
-        if any(setting in engine_settings(e) for e in engines):
+        others = [e for e in engines if e not in SINGLE_RANK_ENGINES]
+        if not others or any(setting in engine_settings(e) for e in others):
             continue
         readers = ", ".join(e for e in ENGINES if setting in engine_settings(e))
         raise ValueError(
