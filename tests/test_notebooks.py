@@ -201,6 +201,14 @@ def test_06_deepspeed_knobs_and_scale(executed):
 
 def test_07_table_and_scale_numbers_are_budgets(executed):
     text = _text(executed("07_head_to_head.ipynb"))
+    # Before the 512-GPU plans: the calibrated plan's step against each engine's measured step (issue 23).
+    predicted = re.findall(
+        r"^(scratch|fsdp1|fsdp2|deepspeed)\s+(\d+\.\d{3})\s+(\d+\.\d{3})\s+(\d+\.\d\d)$", text, re.M
+    )
+    assert {row[0] for row in predicted} == {"scratch", "fsdp1", "fsdp2", "deepspeed"}, predicted
+    for _, measured_s, predicted_s, ratio in predicted:
+        assert abs(float(predicted_s) / float(measured_s) - float(ratio)) < 0.01 and float(predicted_s) > 0
+    assert "The calibrated plan predicted each engine's step on this machine within" in text
     for engine in ("scratch", "fsdp2", "deepspeed"):
         row = re.search(rf"^{engine}\s+\S+\s+(\S+)", text, re.M)
         assert row and float(row.group(1)) < 1e-4, f"{engine} loss must match single"
