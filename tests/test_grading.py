@@ -870,3 +870,47 @@ def test_check_in_the_students_kernel_says_what_to_run_again_after_a_restart(cap
     missing = [line for line in out[1:] if "not defined in this kernel: run its answer cell again" in line]
     assert len(missing) == len(out) - 1 == len(load("ex01_memory").checks), out
     assert any("`min_ranks_to_fit` not defined" in line for line in missing), out
+
+
+def test_wrong_values_of_the_right_shape_are_diagnosed_not_only_measured():
+    import torch
+
+    from labkit.grading.checks import tensor_mismatch
+
+    def seen(t):
+        return {"shape": list(t.shape), "values": t.flatten().tolist()}
+
+    want = torch.arange(1.0, 10.0).view(3, 3)
+    assert tensor_mismatch(seen(want), want) is None
+    small = tensor_mismatch(seen(want / 3), want)
+    assert small.startswith("values differ by up to 6") and "every value is 3 times too small" in small
+    assert "every value is 3 times too large (a factor of the ranks" in tensor_mismatch(seen(want * 3), want)
+    assert tensor_mismatch(seen(want.T), want).endswith(": the right values, transposed")
+    shuffled = want.flatten()[torch.tensor([0, 3, 6, 1, 4, 7, 2, 5, 8])].roll(1)
+    assert "the right values in the wrong order (packed parameter by parameter" in tensor_mismatch(
+        {"shape": [3, 3], "values": shuffled.tolist()}, want
+    )
+    padded = torch.cat([want, torch.zeros(1, 3)])
+    assert tensor_mismatch(seen(padded), want) == (
+        "shape [4, 3], want [3, 3]: 1 row(s) too many (drop the padding rows after gathering, or shard with "
+        "ceil(d0 / n) rows)"
+    )
+    assert tensor_mismatch(seen(want[:2]), want).endswith(": 1 row(s) too few (pad dim 0 to a multiple of n: "
+                                                          "each shard has ceil(d0 / n) rows)")  # fmt: skip
+    assert tensor_mismatch(seen(want + torch.randn(3, 3)), want).startswith("values differ by up to")
+
+
+def test_a_probes_timeout_keeps_what_each_rank_was_doing():
+    from labkit.cluster import LaunchTimeout
+    from labkit.grading.checks import probe_error
+
+    stuck = LaunchTimeout(
+        "the 3 ranks did not finish within timeout=5 s and were stopped; what each was doing:\n"
+        "  rank 0: at cell.py:7 in gather_full\n  rank 1: inside all_gather (collective #1); at cell.py:9 in gather_full",
+        {0: "", 1: ""},
+    )
+    assert probe_error(stuck) == (
+        "LaunchTimeout: the 3 ranks did not finish within timeout=5 s and were stopped; what each was doing: "
+        "rank 0: at cell.py:7 in gather_full; rank 1: inside all_gather (collective #1); at cell.py:9 in gather_full"
+    )
+    assert probe_error(ValueError("one line\nand a traceback after it")) == "ValueError: one line"

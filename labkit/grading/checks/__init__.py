@@ -149,11 +149,16 @@ def to_json(value: Any) -> Any:
 
 
 def probe_error(e: BaseException) -> str:
-    """What a probe's exception says in the feedback: its first line, with its type unless it is a Diagnosis."""
+    """What a probe's exception says in the feedback: its first line, with its type unless it is a Diagnosis;
+    a first line that ends in a colon keeps the lines it introduces (a timeout's rank by rank), joined."""
     text = str(e).strip()
     if not isinstance(e, Diagnosis):
         text = f"{type(e).__name__}: {text}".strip().rstrip(":")
-    return (text.splitlines() or [type(e).__name__])[0][:ERROR_CHARS]
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(e).__name__]
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:
+        first = f"{first} {'; '.join(lines[1:])}"
+    return first[:ERROR_CHARS]
 
 
 def probe_one(check: Check, namespace: dict, seed: int) -> dict:
@@ -254,9 +259,48 @@ def tensor_mismatch(seen: Any, want: Any, atol: float = 0.0) -> str | None:
     shape = list(want.shape)
     if not isinstance(seen, dict) or seen.get("shape") != shape:
         got = seen.get("shape") if isinstance(seen, dict) else type(seen).__name__
-        return f"shape {got}, want {shape}"
+        return f"shape {got}, want {shape}{_rows_hint(got, shape)}"
     values = torch.tensor(seen["values"], dtype=torch.float64)
     if values.numel() != want.numel():
         return f"{values.numel()} values, want {want.numel()}"
-    err = (values - want.detach().double().flatten()).abs().max().item() if want.numel() else 0.0
-    return None if err <= atol else f"values differ by up to {err:.3g}"
+    expected = want.detach().double().flatten()
+    err = (values - expected).abs().max().item() if want.numel() else 0.0
+    return (
+        None
+        if err <= atol
+        else f"values differ by up to {err:.3g}{_values_hint(values, expected, shape, atol)}"
+    )
+
+
+def _rows_hint(got: Any, want: list[int]) -> str:
+    """What a dim-0 difference of one tensor's shape usually means in sharding (padding rows)."""
+    if not (isinstance(got, list) and len(got) == len(want) >= 1 and got[1:] == want[1:]):
+        return ""
+    extra = got[0] - want[0]
+    if extra > 0:
+        return f": {extra} row(s) too many (drop the padding rows after gathering, or shard with ceil(d0 / n) rows)"
+    return f": {-extra} row(s) too few (pad dim 0 to a multiple of n: each shard has ceil(d0 / n) rows)"
+
+
+def _values_hint(values: Any, expected: Any, shape: list[int], atol: float) -> str:
+    """The usual mistakes behind wrong values of the right shape: a constant factor (a mean taken twice or
+    not at all), the right values in another order (a transposed or parameter-major layout)."""
+    import torch
+
+    tol = max(atol, 1e-6 * expected.abs().max().item())
+    if expected.abs().max() > 0:
+        ratio = (values @ expected / (expected @ expected)).item()
+        if abs(ratio - 1) > 1e-3 and torch.allclose(values, ratio * expected, atol=tol, rtol=1e-4):
+            k = ratio if ratio >= 1 else 1 / ratio
+            size = "large" if ratio > 1 else "small"
+            factor = f"{round(k)} times" if abs(k - round(k)) < 1e-3 else f"{k:.3g} times"
+            return (f": every value is {factor} too {size} (a factor of the ranks: the sum where the mean is "
+                    "wanted, or a division by n twice?)")  # fmt: skip
+    if torch.allclose(values.sort().values, expected.sort().values, atol=tol, rtol=1e-6):
+        if len(shape) == 2 and torch.allclose(
+            values.view(shape[1], shape[0]).T.flatten(), expected, atol=tol
+        ):
+            return ": the right values, transposed"
+        return (": the right values in the wrong order (packed parameter by parameter where rank by rank is "
+                "wanted, or the chunks of the wrong ranks?)")  # fmt: skip
+    return ""

@@ -117,7 +117,7 @@ def _schedule_judge(got: list, seed: int) -> tuple[float, str]:
         if wrong is None and len(seen) != len(want):
             why = f"{len(seen)} entries, the engine's step has {len(want)}"
         elif wrong is not None:
-            why = f"entry {wrong} is {seen[wrong]}, the engine did {want[wrong]}"
+            why = f"entry {wrong} (counting from 0) is {seen[wrong]}, the engine did {want[wrong]}"
         else:
             why = ""
         cases.append((seen == want, f"{n} blocks: {why}"))
