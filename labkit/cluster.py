@@ -263,6 +263,9 @@ def launch(
 # ---------------------------------------------------------------------------------------------- parent
 
 
+WAIT_NOTICE_S = 5.0  # a rank inside one collective this long is said to be waiting (seconds)
+
+
 class _RankPickler(cloudpickle.CloudPickler):
     """cloudpickle, refusing a tensor that is not on the CPU: unpickled in every rank, it would land on the
     parent's device (every rank on cuda:0), not on the rank's own."""
@@ -371,10 +374,15 @@ class _Run:
 
     def _wait(self, pc) -> list[Any]:
         deadline = time.monotonic() + self.timeout
+        waits: dict[int, list] = {}  # rank -> [its status, since when, said]
+        next_look = time.monotonic() + 1.0
         while True:
             result = pc.wait(timeout=0)
             if result is not None:
                 break
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + 1.0
+                self._say_long_waits(waits)
             if time.monotonic() > deadline:
                 doing, stacks = self._what_ranks_are_doing(pc)
                 lines = "\n".join(f"  rank {r}: {d}" for r, d in sorted(doing.items()))
@@ -418,6 +426,22 @@ class _Run:
         return LaunchError(
             f"rank {rank} {how} before returning" + (f"; its last output:\n{log}" if log else ""), rank
         )
+
+    def _say_long_waits(self, waits: dict[int, list]) -> None:
+        """Say once, on the caller's stdout, each rank that has sat inside one collective for WAIT_NOTICE_S:
+        in a notebook cell that would otherwise show nothing until the timeout."""
+        now = time.monotonic()
+        for rank in range(self.world_size):
+            status = _read_status(os.path.join(self.dir, f"status{rank}"))
+            if rank not in waits or waits[rank][0] != status:
+                waits[rank] = [status, now, False]
+            elif (
+                status.startswith("inside ") and not waits[rank][2] and now - waits[rank][1] >= WAIT_NOTICE_S
+            ):
+                waits[rank][2] = True
+                print(f"labkit.launch: rank {rank} has waited {now - waits[rank][1]:.0f} s {status.split(' (')[0]} "
+                      "(a rank that never calls it keeps it waiting); the launch stops at "
+                      f"timeout={self.timeout:g} s and says what each rank was doing", flush=True)  # fmt: skip
 
     def _what_ranks_are_doing(self, pc) -> tuple[dict[int, str], dict[int, str]]:
         """Ask each live rank to dump its stacks (faulthandler on SIGUSR1) and read its last collective."""

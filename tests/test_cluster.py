@@ -196,3 +196,22 @@ def test_torchs_cpp_frames_are_folded_out_of_a_ranks_error():
 
     error = "RuntimeError: boom\nException raised from f at x.cpp:1 (most recent call first):\nframe #0: a\nframe #1: b\n"
     assert fold_native_frames(error) == "RuntimeError: boom\n  (3 C++ frames folded)"
+
+
+def _late_barrier():
+    if dist.get_rank() == 0:
+        time.sleep(3.0)  # the others wait in the barrier meanwhile
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_a_rank_waiting_in_a_collective_is_said_before_the_timeout(capsys, monkeypatch):
+    monkeypatch.setattr("labkit.cluster.WAIT_NOTICE_S", 1.0)
+    assert labkit.launch(_late_barrier, 2, timeout=60) == [0, 1]
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("labkit.launch: rank 1")]
+    assert len(said) == 1, said
+    assert (
+        said[0].startswith("labkit.launch: rank 1 has waited ")
+        and " s inside barrier (a rank that never" in said[0]
+    )
+    assert said[0].endswith("the launch stops at timeout=60 s and says what each rank was doing")
