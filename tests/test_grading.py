@@ -914,3 +914,50 @@ def test_a_probes_timeout_keeps_what_each_rank_was_doing():
         "rank 0: at cell.py:7 in gather_full; rank 1: inside all_gather (collective #1); at cell.py:9 in gather_full"
     )
     assert probe_error(ValueError("one line\nand a traceback after it")) == "ValueError: one line"
+
+
+def _kernel(cells: list[str]) -> dict:
+    """A kernel's globals after running `cells` in order, with IPython's input history `In` beside them."""
+    namespace: dict = {"__name__": "__main__"}
+    for text in cells:
+        exec(text, namespace)
+    namespace["In"] = ["", *cells]
+    return namespace
+
+
+def test_check_and_the_grade_agree_when_an_answer_leans_on_a_cell_the_grade_skips(tmp_path, capsys):
+    """The issue's case: a helper table moved into a new cell above the answer gave check() 6/6 and the grade
+    0/6. check() now judges the cells the grade runs, and says why."""
+    from labkit.grading import feedback
+
+    nb = read(SOL01)
+    cell = {c.id: c for c in nb.cells}
+    table, answer = cell["answer-state"].source.split("\n", 2)[1:]
+    cell["answer-state"].source = answer
+    nb.cells.insert(nb.cells.index(cell["answer-state"]), nbformat.v4.new_code_cell(table))
+    nbformat.write(nb, tmp_path / "helper.ipynb")
+    graded = grader.grade_submission(tmp_path / "helper.ipynb", tmp_path / "helper.report.json")
+    ran = [cell[i].source for i in ("parameters", "setup")] + [table, answer, cell["demo-state"].source]
+    ran += [cell["answer-fit"].source, cell["demo-fit"].source + "\nprint('mine')"]  # a locked cell, edited
+    kernel = _kernel(ran)
+    capsys.readouterr()  # what the demonstration cells printed
+    feedback.check("ex01_memory", kernel, seed=0)
+    out = capsys.readouterr().out
+    title = out.splitlines()[0]
+    assert graded["status"] == "graded" and title.startswith(
+        f"Memory arithmetic per strategy: {graded['score']:g}/6"
+    )
+    assert graded["score"] < 6, graded["checks"]
+    assert (
+        "warning: your answer uses `REPLICATED_AND_SHARDED_BYTES`, which only a cell outside the answer"
+        in out
+    )
+    assert 'warning: the cell under "2. The fewest ranks that fit" (id demo-fit) ran edited' in out
+    # The solution as it is, run in the kernel: full marks, as its grade, and nothing to warn about.
+    solved = read(SOL01)
+    order = ("parameters", "setup", "answer-state", "demo-state", "answer-fit", "demo-fit")
+    kernel = _kernel([next(c.source for c in solved.cells if c.id == i) for i in order])
+    capsys.readouterr()
+    feedback.check("ex01_memory", kernel)
+    out = capsys.readouterr().out
+    assert out.startswith("Memory arithmetic per strategy: 6/6") and "warning" not in out, out

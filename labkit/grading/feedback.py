@@ -1,8 +1,9 @@
 """`check(exercise_id, globals())`: instant feedback inside the student's notebook.
 
-It runs the same probes and judges as the grader, but in the student's kernel, on whatever that kernel
-holds; it is a convenience, and the official grade never looks at it (the grader re-runs the answer cells
-in a fresh process and judges them in its own). Each call draws new inputs, like the grader does.
+It runs the same probes and judges as the grader, in the student's kernel, on the cells the grade would run
+(the pristine set-up and the answer cells as last run, rebuilt from the kernel's history by
+`labkit.grading.kernel`); it is a convenience, and the official grade never looks at it (the grader re-runs
+the answer cells in a fresh process and judges them in its own). Each call draws new inputs, like the grader.
 Where the grader's checks are not installed (a student release: `labkit release --student`), it runs the
 public checks of `labkit.grading.public` instead, and says so.
 """
@@ -11,18 +12,24 @@ from __future__ import annotations
 
 import secrets
 
-from labkit.grading import integrity, public
+import nbformat
+
+from labkit.grading import integrity, kernel, public
 from labkit.grading.checks import Exercise, judge_all, load, probe_all
-from labkit.grading.exercises import exercise_dir, exercise_title
+from labkit.grading.exercises import exercise_dir, exercise_title, index
 from labkit.grading.report import format_points
 
 
 def check(exercise_id: str, namespace: dict, seed: int | None = None) -> None:
     """Probe the answers in `namespace` (pass `globals()`), judge them, and print one line per check.
 
-    An answer that is labkit's own implementation earns nothing here either (the integrity rule)."""
+    In a Jupyter kernel (`namespace` holds IPython's input history, `In`) it judges what the grade would run:
+    the pristine set-up and the answer cells as last run, in a fresh namespace (`labkit.grading.kernel`), and
+    warns when an answer uses a name only another cell defines, or a locked cell ran edited. An answer that
+    is labkit's own implementation earns nothing here either (the integrity rule)."""
     exercise, note = _checks(exercise_id)
     seed = secrets.randbelow(2**31) if seed is None else seed
+    namespace, cell_errors, warnings = _as_graded(exercise_id, namespace)
     names = {n for c in exercise.checks for n in c.answers}
     origins = integrity.answer_origins(namespace, names, exercise.forbidden, exercise.allowed)
     flags = {
@@ -38,12 +45,26 @@ def check(exercise_id: str, namespace: dict, seed: int | None = None) -> None:
                 f"{', '.join(missing)} not defined in this kernel: run its answer cell again (after a kernel "
                 "restart, run the cells above it first)"
             )
-    entries = judge_all(exercise, probe_all(exercise, namespace, seed), seed, flags=flags)
+    entries = judge_all(exercise, probe_all(exercise, namespace, seed), seed, cell_errors, flags=flags)
     score = sum(e["points"] for e in entries)
     print(f"{exercise.title}: {format_points(round(score, 2))}/{exercise.max_score} ({note})")
     for e in entries:
         mark = "ok " if e["passed"] else "no "
         print(f"  {mark} {format_points(e['points'])}/{e['max_points']}  {e['name']}: {e['feedback']}")
+    for warning in warnings:
+        print(f"  warning: {warning}")
+
+
+def _as_graded(exercise_id: str, namespace: dict) -> tuple[dict, list[str], list[str]]:
+    """(the namespace to probe, the cells that raised there, warnings): the grade's cells rebuilt from the
+    kernel's history when there is one and the pristine exercise is at hand, else `namespace` as it is."""
+    history = namespace.get("In")
+    path = index(exercise_dir()).get(exercise_id)
+    if not isinstance(history, list) or path is None:
+        return namespace, [], []
+    rebuilt = kernel.rebuild(nbformat.read(path, as_version=4), history, set(namespace))
+    fresh, errors = kernel.run_cells(rebuilt.cells)
+    return fresh, errors, rebuilt.warnings
 
 
 def _checks(exercise_id: str) -> tuple[Exercise, str]:
