@@ -324,7 +324,14 @@ def test_solutions_score_full_marks(batch):
         assert r["status"] == "graded", (name, r["reason"])
         assert r["max_score"] > 0 and r["score"] == r["max_score"], (name, r["checks"])
         assert all(c["passed"] for c in r["checks"]), name
-        assert Path(r["executed_notebook"]).exists()
+        # Its own check() cell, run under papermill in a real kernel, agrees: full marks, nothing to warn about.
+        executed = read(Path(r["executed_notebook"]))
+        said = "".join(
+            o.get("text", "") for c in executed.cells if exercises.role(c) == "check" for o in c.outputs
+        )
+        assert (
+            f": {r['max_score']:g}/{r['max_score']:g} (" in said.splitlines()[0] and "warning" not in said
+        ), said
 
 
 def test_pristine_exercises_score_zero_without_error(batch):

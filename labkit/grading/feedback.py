@@ -29,8 +29,8 @@ def check(exercise_id: str, namespace: dict, seed: int | None = None) -> None:
     is labkit's own implementation earns nothing here either (the integrity rule)."""
     exercise, note = _checks(exercise_id)
     seed = secrets.randbelow(2**31) if seed is None else seed
-    namespace, cell_errors, warnings = _as_graded(exercise_id, namespace)
     names = {n for c in exercise.checks for n in c.answers}
+    namespace, cell_errors, warnings = _as_graded(exercise_id, namespace, names)
     origins = integrity.answer_origins(namespace, names, exercise.forbidden, exercise.allowed)
     flags = {
         c.name: f"no points: `{name}` is {origins[name]}, labkit's own implementation; write it yourself"
@@ -55,14 +55,16 @@ def check(exercise_id: str, namespace: dict, seed: int | None = None) -> None:
         print(f"  warning: {warning}")
 
 
-def _as_graded(exercise_id: str, namespace: dict) -> tuple[dict, list[str], list[str]]:
+def _as_graded(
+    exercise_id: str, namespace: dict, answer_names: set[str]
+) -> tuple[dict, list[str], list[str]]:
     """(the namespace to probe, the cells that raised there, warnings): the grade's cells rebuilt from the
     kernel's history when there is one and the pristine exercise is at hand, else `namespace` as it is."""
     history = namespace.get("In")
     path = index(exercise_dir()).get(exercise_id)
     if not isinstance(history, list) or path is None:
         return namespace, [], []
-    rebuilt = kernel.rebuild(nbformat.read(path, as_version=4), history, set(namespace))
+    rebuilt = kernel.rebuild(nbformat.read(path, as_version=4), history, set(namespace), answer_names)
     fresh, errors = kernel.run_cells(rebuilt.cells)
     return fresh, errors, rebuilt.warnings
 

@@ -73,12 +73,15 @@ def free_names(text: str) -> set[str]:
     return read - bound
 
 
-def rebuild(pristine, history: list[str], kernel_names: set[str]) -> Rebuilt:
+def rebuild(pristine, history: list[str], kernel_names: set[str], answer_names: set[str]) -> Rebuilt:
     """The graded cells from `history` (the kernel's inputs, oldest first), with what to warn about.
 
     `kernel_names`: the names the kernel holds now, to tell a name defined by a cell the grade skips from a
-    typo (which the probe's own error reports)."""
+    typo (which the probe's own error reports). `answer_names`: what the exercise's checks call; a pristine
+    answer cell that defines nothing yet (a bare `raise`) stands for those no other answer cell defines."""
     inputs = [text for text in history if isinstance(text, str) and text.strip()]
+    answers = [c for c in pristine.cells if role(c) == ANSWER]
+    stubbed = set().union(*(defined_names(source(c)) for c in answers))
     cells, missing = [], []
     for cell in pristine.cells:
         kind = role(cell)
@@ -86,7 +89,7 @@ def rebuild(pristine, history: list[str], kernel_names: set[str]) -> Rebuilt:
             continue
         text = source(cell)
         if kind == ANSWER:
-            wanted = defined_names(text)
+            wanted = defined_names(text) or (answer_names - stubbed)
             text = next((h for h in reversed(inputs) if wanted & defined_names(h)), None)
             if text is None:
                 missing.append(cell.id)
