@@ -968,3 +968,42 @@ def test_check_and_the_grade_agree_when_an_answer_leans_on_a_cell_the_grade_skip
     feedback.check("ex01_memory", kernel)
     out = capsys.readouterr().out
     assert out.startswith("Memory arithmetic per strategy: 6/6") and "warning" not in out, out
+
+
+# The planted submissions whose cells this test process can run as a kernel would (not the ones that exit,
+# crash, fork, or patch the grader's own modules).
+RUN_HERE = ("solution", "exercise", "partial01", "partial06", "padding02", "locked_edit", "locked_edit_solution",
+            "fake_print", "missing_answer")  # fmt: skip
+
+
+@pytest.mark.timeout(900)
+def test_check_in_the_kernel_and_the_grade_agree_on_every_planted_submission(
+    batch, capsys, monkeypatch, tmp_path
+):
+    """Each submission's cells run top to bottom as "Run All" would (stopping at the first error), then its
+    check() on the grade's seed: the same score as `labkit grade` gave it."""
+    from labkit.grading import feedback
+
+    monkeypatch.chdir(tmp_path)  # what the cells write lands here
+    compared = 0
+    for name, kind in batch["kinds"].items():
+        if kind not in RUN_HERE:
+            continue
+        r = batch["reports"][name]
+        kernel: dict = {"__name__": "__main__"}
+        ran: list[str] = []
+        for cell in read(batch["folder"] / name).cells:
+            if cell.cell_type != "code" or exercises.role(cell) == "check":
+                continue
+            ran.append(cell.source)
+            try:
+                exec(cell.source, kernel)
+            except Exception:  # noqa: BLE001 (Run All stops at the first cell that raises)
+                break
+        kernel["In"] = ["", *ran]
+        capsys.readouterr()
+        feedback.check(r["exercise"], kernel, seed=r["seed"])
+        first = capsys.readouterr().out.splitlines()[0]
+        assert f": {r['score']:g}/{r['max_score']:g} (" in first, (name, first, r["checks"])
+        compared += 1
+    assert compared == len(BATCH_SOLUTIONS) + len(BATCH_EXERCISES) + len(RUN_HERE) - 2, compared

@@ -61,7 +61,10 @@ def test_committed_notebook_is_clean_and_has_parameters_and_slides(name):
 
 
 # A figure with a unit in prose: the course renders those from the run or labkit.budget, never types them.
-TYPED_FIGURE = re.compile(r"\b\d[\d,.]*\s?(GB|MB|kB|GiB|MiB|TB|ms|s|%)(?![\w/])")
+# A number with a unit (rates too), or a measured-looking ratio ("1.48x"); a formula's "3 x" is not one.
+TYPED_FIGURE = re.compile(
+    r"\b\d[\d,.]*\s?(GB/s|MB/s|TFLOP/s|GFLOP/s|params/s|GB|MB|kB|GiB|MiB|TB|ms|s|%)(?![\w/])|\b\d+\.\d+x\b"
+)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -79,6 +82,12 @@ def test_each_notebook_predicts_twice_names_its_exercise_and_types_no_figure(nam
     assert re.search(r"(?i)remember", prose[-1]), f"{name} does not end with the one thing to remember"
     typed = [(i, m.group(0)) for i, s in enumerate(prose) for m in TYPED_FIGURE.finditer(s)]
     assert not typed, f"{name}: figures typed into markdown (render them from the run): {typed[:4]}"
+
+
+def test_the_typed_figure_scan_finds_rates_and_ratios_but_not_formulas():
+    found = [m.group(0) for m in TYPED_FIGURE.finditer("at 50 GB/s, 989 TFLOP/s, 1.48x, 3.6 s and 93% of it")]
+    assert found == ["50 GB/s", "989 TFLOP/s", "1.48x", "3.6 s", "93%"]
+    assert not TYPED_FIGURE.search("16 B/param / n, 3 x (n-1)/n x 2N, 30B params on 512 GPUs")
 
 
 @pytest.mark.parametrize("name", ALL)
