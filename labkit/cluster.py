@@ -394,16 +394,35 @@ class _Run:
                 )
             time.sleep(0.02)
         if result.is_failed():
-            raise self._first_failure(result)
+            raise self._first_failure(self._ended_ranks(pc, result))
         return [cloudpickle.loads(result.return_values[r]) for r in range(self.world_size)]
 
-    def _first_failure(self, result) -> LaunchError:
-        """The root cause: a rank that died without a report, else the earliest report of an exception."""
-        rank, failure = min(result.failures.items())
-        reports = [self._read_json(f"error{r}.json") for r in range(self.world_size)]
-        reports = [e for e in reports if e is not None]
-        if reports and self._read_json(f"error{rank}.json") is not None:
-            first = min(reports, key=lambda e: e["time"])
+    def _ended_ranks(self, pc, result) -> dict[int, int]:
+        """rank -> exit status (negative: the signal) of every rank that failed on its own. The launcher names
+        the first failure it saw, then stops the rest (SIGTERM, SIGKILL after a wait); a rank that had already
+        left with a status of its own is read from torch.multiprocessing's processes."""
+        failed = {r: f.exitcode for r, f in result.failures.items()}
+        stopped = (-signal.SIGTERM, -signal.SIGKILL)
+        for rank, process in enumerate(getattr(getattr(pc, "_pc", None), "processes", [])):
+            if rank not in failed and process.exitcode not in (None, 0, *stopped):
+                failed[rank] = process.exitcode
+        return failed
+
+    def _is_echo(self, rank: int) -> bool:
+        """Whether `rank` failed only because a peer went away (gloo's 'Connection reset by peer')."""
+        report = self._read_json(f"error{rank}.json")
+        said = report["error"] if report else native_failure(_tail_text(self._log(rank), max_lines=400))[0]
+        return any(text in said for text in _PEER_LOST)
+
+    def _first_failure(self, failed: dict[int, int]) -> LaunchError:
+        """The root cause. A rank that only lost its peer is an echo of another's failure, so it is told last;
+        of the rest, a rank that died without a report comes first (its peers' errors follow from it), else
+        the earliest report of an exception."""
+        reports = {r: self._read_json(f"error{r}.json") for r in failed}
+        causes = [r for r in sorted(failed) if not self._is_echo(r)] or sorted(failed)
+        silent = [r for r in causes if not reports[r]]
+        if not silent:
+            first = min((reports[r] for r in causes), key=lambda e: e["time"])
             error = fold_native_frames(first["error"])
             return LaunchError(
                 f"rank {first['rank']} failed: {error}{collective_hint(error)}\n\n"
@@ -411,21 +430,25 @@ class _Run:
                 first["rank"],
                 first["traceback"],
             )
+        rank = silent[0]
+        status = failed[rank]
         how = (
-            f"was killed by signal {signal.Signals(-failure.exitcode).name}"
-            if failure.exitcode < 0
-            else f"exited with status {failure.exitcode}"
+            f"was killed by signal {signal.Signals(-status).name}"
+            if status < 0
+            else f"exited with status {status}"
         )
-        log_path = os.path.join(self.dir, f"rank{rank}.log")
-        cause, frame = native_failure(_tail_text(log_path, max_lines=400))
+        cause, frame = native_failure(_tail_text(self._log(rank), max_lines=400))
         if cause:  # a C++ library aborted the rank (gloo's checks do): its own line first, the C stack folded
             where = f" at {frame}" if frame else ""
             return LaunchError(f"rank {rank} {how}{where}: {cause}{collective_hint(cause)}", rank,
-                               _tail_text(log_path, max_lines=400))  # fmt: skip
-        log = _tail_text(log_path)
+                               _tail_text(self._log(rank), max_lines=400))  # fmt: skip
+        log = _tail_text(self._log(rank))
         return LaunchError(
             f"rank {rank} {how} before returning" + (f"; its last output:\n{log}" if log else ""), rank
         )
+
+    def _log(self, rank: int) -> str:
+        return os.path.join(self.dir, f"rank{rank}.log")
 
     def _say_long_waits(self, waits: dict[int, list]) -> None:
         """Say once, on the caller's stdout, each rank that has sat inside one collective for WAIT_NOTICE_S:
@@ -635,6 +658,7 @@ def _empty_dir(path: str) -> None:
 
 _WHAT = re.compile(r"what\(\):\s*(.+)")  # std::terminate's line: the C++ exception's message
 _MISMATCH = ("doesn't match expected size", "collective mismatch")
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote process exited")
 
 
 def native_failure(log: str) -> tuple[str, str]:

@@ -279,12 +279,12 @@ def test_a_rendezvous_that_cannot_complete_fails_in_one_sentence_within_its_time
         "pass --rdzv-endpoint HOST:PORT of the first node's agent, with the port open to every node"
     )
     # Each node's rank refuses the mismatch in one sentence and its agent exits with the rank's status 2. On a
-    # loaded machine the first agent to stop takes the rendezvous (its store, or its closed flag) with it
-    # before the other node's rank has said anything; that agent then ends in one sentence of its own, status 1.
+    # loaded machine the first agent to stop takes the rendezvous (its store, or its closed flag) with it: the
+    # other agent then ends in one sentence of its own, status 1, whether or not its rank had spoken yet.
     said = "labkit compare: --world-size 4 but the launcher started 2 ranks (nodes x ranks per node); pass --world-size 2 or leave it out"
-    refused = [(rc, err) for rc, _, err in mismatched if said in err]
-    assert refused, [err[-2000:] for _, _, err in mismatched]
-    for rc, err in refused:
-        assert rc == 2 and err.strip().splitlines()[-1].startswith("labkit torchrun: rank "), err[-2000:]
-    for rc, _, err in mismatched:
-        assert said in err or (rc == 1 and err.strip().splitlines()[-1].startswith("labkit torchrun: ")), err
+    ends = [(rc, said in err, err.strip().splitlines()[-1]) for rc, _, err in mismatched]
+    assert any(
+        rc == 2 and refused and last.startswith("labkit torchrun: rank ") for rc, refused, last in ends
+    ), [err[-2000:] for _, _, err in mismatched]
+    for rc, _, last in ends:
+        assert rc in (1, 2) and last.startswith("labkit torchrun: "), last
