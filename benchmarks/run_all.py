@@ -2,7 +2,8 @@
 
     python benchmarks/run_all.py [--quick] [--no-course] [--out benchmarks/results.md]
 
-(`benchmarks/cpu_adam.py` measures its one section alone and writes it into the same file.)
+(`benchmarks/cpu_adam.py` and `benchmarks/slides.py` measure their one section alone and write it into the
+same file.)
 
 Every figure is a median over repetitions that alternate between the engines (after one warm-up step per
 run, which is dropped), so a machine that slows down during the run slows every engine alike. Absolute
@@ -263,9 +264,13 @@ def main(argv: list[str] | None = None) -> int:
                   *(f"- {k}: {v:.0f} s" for k, v in course.items()),
                   f"- total {sum(course.values()):.0f} s (target < {TARGETS['course s']:.0f} s)"]  # fmt: skip
 
-    import cpu_adam  # this folder's own script (benchmarks/ is on sys.path when run_all.py runs)
+    import cpu_adam  # this folder's own scripts (benchmarks/ is on sys.path when run_all.py runs)
+    import slides
 
     lines += ["", *cpu_adam.section_lines(cpu_adam.measure([10**6, 10**7], reps=5 * reps))]
+    if course is not None:
+        with tempfile.TemporaryDirectory(prefix="labkit-slides-") as decks_dir:
+            lines += ["", *slides.section_lines(*slides.build(decks_dir), decks_dir)]
 
     lines += ["", "## Against the targets", ""]
     for (model, n, dtype), r in ratios.items():
