@@ -326,7 +326,7 @@ class _Run:
         n = self.world_size
         envs = {r: self._env(r, port) for r in range(n)}
         args = {r: (self.payload, self.dir, self.where.backend) for r in range(n)}
-        logs = {r: os.path.join(self.dir, f"rank{r}.log") for r in range(n)}
+        logs = {r: self._log(r) for r in range(n)}
         saved_handlers = _signal_handlers()
         saved_levels = _quiet_elastic_loggers()
         pc = tail = None
@@ -408,18 +408,14 @@ class _Run:
                 failed[rank] = process.exitcode
         return failed
 
-    def _is_echo(self, rank: int) -> bool:
-        """Whether `rank` failed only because a peer went away (gloo's 'Connection reset by peer')."""
-        report = self._read_json(f"error{rank}.json")
-        said = report["error"] if report else native_failure(_tail_text(self._log(rank), max_lines=400))[0]
-        return any(text in said for text in _PEER_LOST)
-
     def _first_failure(self, failed: dict[int, int]) -> LaunchError:
-        """The root cause. A rank that only lost its peer is an echo of another's failure, so it is told last;
-        of the rest, a rank that died without a report comes first (its peers' errors follow from it), else
-        the earliest report of an exception."""
+        """The root cause. A rank that only lost its peer (gloo's 'Connection reset by peer') is an echo of
+        another's failure, so it is told last; of the rest, a rank that died without a report comes first
+        (its peers' errors follow from it), else the earliest report of an exception."""
         reports = {r: self._read_json(f"error{r}.json") for r in failed}
-        causes = [r for r in sorted(failed) if not self._is_echo(r)] or sorted(failed)
+        logs = {r: _tail_text(self._log(r), max_lines=400) for r in failed if not reports[r]}
+        said = {r: reports[r]["error"] if reports[r] else native_failure(logs[r])[0] for r in failed}
+        causes = [r for r in sorted(failed) if not any(t in said[r] for t in _PEER_LOST)] or sorted(failed)
         silent = [r for r in causes if not reports[r]]
         if not silent:
             first = min((reports[r] for r in causes), key=lambda e: e["time"])
@@ -437,11 +433,10 @@ class _Run:
             if status < 0
             else f"exited with status {status}"
         )
-        cause, frame = native_failure(_tail_text(self._log(rank), max_lines=400))
+        cause, frame = native_failure(logs[rank])
         if cause:  # a C++ library aborted the rank (gloo's checks do): its own line first, the C stack folded
             where = f" at {frame}" if frame else ""
-            return LaunchError(f"rank {rank} {how}{where}: {cause}{collective_hint(cause)}", rank,
-                               _tail_text(self._log(rank), max_lines=400))  # fmt: skip
+            return LaunchError(f"rank {rank} {how}{where}: {cause}{collective_hint(cause)}", rank, logs[rank])
         log = _tail_text(self._log(rank))
         return LaunchError(
             f"rank {rank} {how} before returning" + (f"; its last output:\n{log}" if log else ""), rank
