@@ -25,8 +25,7 @@ def test_checkpointing_keeps_losses_and_bytes_and_lowers_the_peak():
     base = RunConfig(world_size=2, steps=3)
     ac = replace(base, options=AC)
     runs = {
-        # Each plain run just before its checkpointed one: later runs in a launch start with a little of the
-        # earlier runs' memory still live, which only makes the checkpointed peak harder to undercut.
+        # Each plain run just before its checkpointed one (`run_many` on what a run can leave alive).
         "scratch": ("scratch", base),
         "scratch, checkpointed": ("scratch", ac),
         "fsdp2": ("fsdp2", base),

@@ -7,7 +7,10 @@ buffer that several parameters view, costs what it really holds. `state_bytes_by
 bytes by the device each storage lives on, so an engine that offloads on a GPU shows what went to "cpu".
 
 `PeakMemory` measures the peak of live tensor bytes over the measured steps, and `start_bytes`, the
-baseline live when it started:
+baseline live when it started. Both leave out `prior_bytes`, what was live before the run began
+(`note_prior`, called before the model is built): tensors of an earlier run in the same ranks that its
+engine left alive (DeepSpeed and FSDP1 leave their models behind, held by hooks in autograd's C++ side
+that `gc` cannot collect), so each run's figures are its own.
 - GPU: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, reset once the garbage of what
   ran before (an earlier engine of `run_many`, held in reference cycles) is collected and the device has
   finished its queued work; the baseline is `memory_allocated` then. The caching allocator's own count:
@@ -97,36 +100,53 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.prior_bytes = 0  # live before the run began (`note_prior`), left out of both figures (bytes)
         self.start_bytes = 0  # live at `start`: the baseline the peak includes (bytes)
         self.peak_bytes = 0
         self._tracker: _LiveStorages | None = None
+
+    def note_prior(self) -> int:
+        """Record what is live now, before the run builds anything; return it (bytes)."""
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+            self.prior_bytes = torch.cuda.memory_allocated(self.device)
+        else:
+            tracker = _LiveStorages()
+            tracker.add(_reachable_storages())
+            self.prior_bytes = tracker.live_bytes
+        return self.prior_bytes
 
     def start(self, state_tensors: Iterable[torch.Tensor] = ()) -> None:
         if self.device.type == "cuda":
             gc.collect()  # what earlier runs left in reference cycles is still allocated until collected
             torch.cuda.synchronize(self.device)  # frees queued behind kernels happen before the reset
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.start_bytes = torch.cuda.memory_allocated(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device) - self.prior_bytes
             return
         self._tracker = _LiveStorages()
-        gc.collect()
-        reachable = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]  # no __class__ lookups
-        self._tracker.add(storages(reachable))
+        self._tracker.add(_reachable_storages())
         self._tracker.add(storages(state_tensors))
-        del reachable
-        self.start_bytes = self._tracker.live_bytes
+        self.start_bytes = self._tracker.live_bytes - self.prior_bytes
         self._tracker.start()
 
     def stop(self) -> int:
-        """Stop measuring; return the peak (bytes)."""
+        """Stop measuring; return the peak (bytes), less `prior_bytes`."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.prior_bytes
         elif self._tracker is not None:
             self._tracker.stop()
-            self.peak_bytes = self._tracker.peak_bytes
+            self.peak_bytes = self._tracker.peak_bytes - self.prior_bytes
             self._tracker = None
         return self.peak_bytes
+
+
+def _reachable_storages() -> list[torch.UntypedStorage]:
+    """The storages of every tensor Python can reach, once the garbage of reference cycles is collected."""
+    gc.collect()
+    reachable = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]  # no __class__ lookups
+    return list(storages(reachable))
 
 
 class _LiveStorages(TorchDispatchMode):

@@ -22,6 +22,7 @@ fewer per step, its weights held meanwhile.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -190,8 +191,15 @@ class ZeRO3:
             output.register_hook(lambda grad: self.before_backward(unit))
 
     def _watch_grads(self, unit: ShardedUnit) -> None:
-        for sp in unit.trainable:  # a frozen parameter gets no gradient, so no hook
-            sp.param.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_ready(unit))
+        """A hook on each trainable parameter (a frozen one gets no gradient) counts the unit's gradients.
+
+        The hooks live in autograd's C++ side, where Python's garbage collector cannot see that they
+        hold this object: they hold it weakly (the module hooks, which it can see, keep it alive as long
+        as the model), or every ZeRO3 ever built would keep its model's weights alive in the process.
+        """
+        zero, unit_ref = weakref.ref(self), weakref.ref(unit)
+        for sp in unit.trainable:
+            sp.param.register_post_accumulate_grad_hook(lambda p: zero()._grad_ready(unit_ref()))
 
     def _grad_ready(self, unit: ShardedUnit) -> None:
         self._grads_left[unit] -= 1
