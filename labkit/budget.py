@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from functools import cached_property
 from typing import NamedTuple
@@ -889,7 +889,11 @@ class UnitCost(NamedTuple):
     computes: bool  # has compute of its own beside which a collective can run (an embedding lookup has none)
 
 
-def exposed_floor(units: Sequence[UnitCost], prefetch_depth: int = 1) -> dict:
+def exposed_floor(
+    units: Sequence[UnitCost],
+    prefetch_depth: int = 1,
+    collective_s: Callable[[str, int], float] | None = None,
+) -> dict:
     """What no prefetch of `prefetch_depth` units can hide: the collectives with no compute beside them.
 
     Forward, in unit order: a unit's gather runs beside the compute of the `depth` units before it (the first
@@ -897,21 +901,41 @@ def exposed_floor(units: Sequence[UnitCost], prefetch_depth: int = 1) -> dict:
     that order began, its reduce-scatter beside every unit whose backward follows. A collective whose units
     beside it have no compute is exposed at any link speed. Returns the exposed (unit, collective) pairs,
     their wire bytes, the step's, and the share: the floor of exposed / unprefetched comm, by bytes.
+
+    `collective_s(kind, wire_bytes)`: one collective's seconds ("all_gather" or "reduce_scatter"), e.g.
+    `collective_time_s` on a calibrated machine; with it the result also has "floor_s" and "comm_s", the
+    same sums in seconds, where a collective's fixed cost (gloo's latency) weighs too.
     """
     order, exposed = list(units), []
     back = order[::-1]
     for i, u in enumerate(order):
         if not any(v.computes for v in order[max(0, i - prefetch_depth) : i]):
-            exposed.append((u.name, "forward all-gather", u.gather_wire_bytes))
+            exposed.append((u.name, "forward all-gather", "all_gather", u.gather_wire_bytes))
     for i, u in enumerate(back):
         if u.backward_gather and not any(v.computes for v in back[max(0, i - prefetch_depth) : i]):
-            exposed.append((u.name, "backward all-gather", u.gather_wire_bytes))
+            exposed.append((u.name, "backward all-gather", "all_gather", u.gather_wire_bytes))
         if not any(v.computes for v in back[i + 1 :]):
-            exposed.append((u.name, "reduce-scatter", u.reduce_wire_bytes))
-    total = sum(u.gather_wire_bytes * (1 + u.backward_gather) + u.reduce_wire_bytes for u in order)
-    floor = sum(b for _, _, b in exposed)
-    return {"exposed": [(name, what) for name, what, _ in exposed], "floor_wire_bytes": floor,
-            "comm_wire_bytes": total, "floor_share": floor / total if total else 0.0}  # fmt: skip
+            exposed.append((u.name, "reduce-scatter", "reduce_scatter", u.reduce_wire_bytes))
+    every = [c for u in order for c in (("all_gather", u.gather_wire_bytes),) * (1 + u.backward_gather)]
+    every += [("reduce_scatter", u.reduce_wire_bytes) for u in order]
+    total = sum(b for _, b in every)
+    floor = sum(b for *_, b in exposed)
+    out = {"exposed": [(name, what) for name, what, *_ in exposed], "floor_wire_bytes": floor,
+           "comm_wire_bytes": total, "floor_share": floor / total if total else 0.0}  # fmt: skip
+    if collective_s is not None:
+        out["floor_s"] = sum(collective_s(kind, b) for *_, kind, b in exposed)
+        out["comm_s"] = sum(collective_s(kind, b) for kind, b in every)
+    return out
+
+
+def collective_time_s(
+    kind: str, wire_bytes: int, world_size: int, link_gbytes: float | None = None, machine: dict | None = None
+) -> float:
+    """Seconds of one collective on one rank: the longer of the link's time (wire bytes / `link_gbytes`
+    GB/s) and the backend's own on a calibrated `machine` (`machine_collective_s`, one call); 0 with neither."""
+    link_s = wire_bytes / (link_gbytes * 1e9) if link_gbytes else 0.0
+    backend_s = machine_collective_s(machine, kind, world_size, wire_bytes, 1) if machine else 0.0
+    return max(link_s, backend_s)
 
 
 def gathered_peak_bytes(unit_bytes: Sequence[int], prefetch_depth: int = 1, prefetch: bool = True) -> int:

@@ -437,7 +437,7 @@ class _Run:
         if cause:  # a C++ library aborted the rank (gloo's checks do): its own line first, the C stack folded
             where = f" at {frame}" if frame else ""
             return LaunchError(f"rank {rank} {how}{where}: {cause}{collective_hint(cause)}", rank, logs[rank])
-        log = _tail_text(self._log(rank))
+        log = "\n".join(logs[rank].splitlines()[-20:])  # its last output, as much as a message can hold
         return LaunchError(
             f"rank {rank} {how} before returning" + (f"; its last output:\n{log}" if log else ""), rank
         )
@@ -691,7 +691,7 @@ def collective_hint(message: str) -> str:
     )
 
 
-def _tail_text(path: str, max_lines: int = 20) -> str:
+def _tail_text(path: str, max_lines: int) -> str:
     try:
         with open(path, errors="replace") as f:
             return "".join(f.readlines()[-max_lines:]).rstrip()

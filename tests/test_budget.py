@@ -684,11 +684,27 @@ def test_exposed_floor_finds_the_collectives_with_no_compute_beside_them_at_each
                                 ("b0", "reduce-scatter"), ("emb", "reduce-scatter")]  # fmt: skip
     assert floor["comm_wire_bytes"] == 3 * 10 + 3 * 20 + 3 * 20 + 2 * 5
     assert floor["floor_wire_bytes"] == 60 and floor["floor_share"] == 60 / 160
+    # in seconds, a fixed cost per call (a backend's latency) weighs each collective: 1 s per gather, 2 s
+    # per reduce-scatter, plus 0.1 s per wire byte
+    priced = budget.exposed_floor(units, 1, lambda kind, b: (1 if kind == "all_gather" else 2) + b / 10)
+    assert priced["floor_s"] == pytest.approx(2 * 1 + 2 * 2 + 60 / 10)  # 2 gathers, 2 reduce-scatters
+    assert priced["comm_s"] == pytest.approx(
+        7 * 1 + 4 * 2 + 16
+    )  # 7 gathers (the head once), 4 reduce-scatters
     # depth 2 cannot help b0's forward gather: the only unit before it has no compute
     assert budget.exposed_floor(units, prefetch_depth=2)["floor_wire_bytes"] == 60
     # a head that is resharded pays a backward gather with nothing before it
     resharded = [*units[:3], budget.UnitCost("head", 5, 5, True, True)]
     assert ("head", "backward all-gather") in budget.exposed_floor(resharded)["exposed"]
+
+
+def test_a_collective_lasts_the_longer_of_the_link_and_the_calibrated_backend():
+    machine = {"collectives": {"all_gather": {"2": {"latency_s": 0.004, "gbytes": 0.5}}}}
+    # gloo: 4 ms + 1e6 B / 0.5 GB/s = 6 ms; a 1 GB/s link: 1 ms; a 0.1 GB/s link: 10 ms
+    assert budget.collective_time_s("all_gather", 10**6, 2, 1.0, machine) == pytest.approx(0.006)
+    assert budget.collective_time_s("all_gather", 10**6, 2, 0.1, machine) == pytest.approx(0.010)
+    assert budget.collective_time_s("all_gather", 10**6, 2, 0.1) == pytest.approx(0.010)
+    assert budget.collective_time_s("all_gather", 10**6, 2) == 0.0
 
 
 def test_gathered_peak_bytes_is_the_largest_run_of_depth_plus_one_units():

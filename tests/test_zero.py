@@ -446,3 +446,7 @@ def test_the_floor_of_the_split_plan_is_the_input_unit_and_block_0s_forward_gath
         costs[u].gather_wire_bytes + costs[u].reduce_wire_bytes for u in ("input", "blocks.0")
     )
     assert floor["comm_wire_bytes"] == sum(scratch.predicted_wire_bytes(model, cfg, 2).values())
+    # on a 1 GB/s link with no backend cost of its own, the seconds are the bytes / 1e9
+    timed = scratch.exposed_floor(model, replace(cfg, link_gbytes=1.0), 2)
+    assert timed["floor_s"] == pytest.approx(floor["floor_wire_bytes"] / 1e9)
+    assert timed["comm_s"] == pytest.approx(floor["comm_wire_bytes"] / 1e9)

@@ -15,10 +15,12 @@ the whole backward. `prefetch_depth` (int, default 1): units gathered ahead.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from labkit.budget import UnitCost, collective_wire_bytes, padded_numel
+from labkit.budget import UnitCost, collective_time_s, collective_wire_bytes, padded_numel
 from labkit.budget import exposed_floor as budget_floor
 from labkit.engines import activation_checkpointing
 from labkit.engines.base import RankInfo, RunConfig
@@ -179,9 +181,18 @@ def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) ->
     return {"params": 4 * every, "grads": 4 * trained, "optimizer": 0} | {optimizer: 8 * trained}
 
 
-def exposed_floor(model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpec = None) -> dict:
-    """`labkit.budget.exposed_floor` of this engine's unit plan at `options["prefetch_depth"]`."""
-    return budget_floor(unit_costs(model, cfg, world_size, units), cfg.options.get("prefetch_depth", 1))
+def exposed_floor(
+    model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpec = None, machine: dict | None = None
+) -> dict:
+    """`labkit.budget.exposed_floor` of this engine's unit plan at `options["prefetch_depth"]`; in seconds
+    too ("floor_s", "comm_s") when `cfg.link_gbytes` or a calibrated `machine` prices a collective."""
+    seconds = None
+    if cfg.link_gbytes or machine:
+        g = shard_size(cfg, world_size)
+        seconds = partial(collective_time_s, world_size=g, link_gbytes=cfg.link_gbytes, machine=machine)
+    return budget_floor(
+        unit_costs(model, cfg, world_size, units), cfg.options.get("prefetch_depth", 1), seconds
+    )
 
 
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> ScratchEngine:
