@@ -31,6 +31,7 @@ from labkit.engines import scratch
 from labkit.engines.base import RunConfig
 from labkit.engines.loop import run, run_many
 from labkit.model import build_model, count_params
+from labkit.probes import timeline
 from labkit.tables import median_step_s
 from labkit.zero.hooks import unit_plan
 
@@ -97,12 +98,25 @@ def unit_bytes(model: str, cfg: RunConfig) -> list[int]:
     return [4 * sum(budget.padded_numel(tuple(p.shape), 2) for _, p in params) for _, _, params in plan]
 
 
+def busy_and_waiting_s(records: list[dict]) -> tuple[float, float]:
+    """Median seconds per step that a rank's compute thread computed and that it waited on collectives,
+    over every rank and kept step of `records` (`labkit.probes.timeline`)."""
+    busy, waiting = [], []
+    for rec in records:
+        for step in sorted({e["step"] for e in rec["timeline"]}):
+            events = [e for e in rec["timeline"] if e["step"] == step]
+            for rank in range(len(rec["peak_mem_bytes"])):
+                busy.append(timeline.busy_s(events, rank))
+                waiting.append(timeline.exposed_comm_s(events, rank))
+    return statistics.median(busy), statistics.median(waiting)
+
+
 def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
     rows = ["2 ranks: the machine profile of the 2-rank runs above sets the link.", "",
             "| model | link GB/s | variant | step s | / no prefetch | floor's ideal | comm s: hideable / floor "
-            "| bytes = formula | losses = single | peak MB - no prefetch's | gathered peak MB - no prefetch's (budget) "
-            "| target |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "| busy / waiting ms | bytes = formula | losses = single | peak MB - no prefetch's "
+            "| gathered peak MB - no prefetch's (budget) | target |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for model, target in PREFETCH_TARGETS.items():
         base = RunConfig(model=model, world_size=2, steps=steps)
         link = half_compute_link(base, profile)
@@ -129,10 +143,12 @@ def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
                 check = verdict(ratio <= target and bytes_ok and losses_ok) + f" (<= {target}"
                 check += f"; unreachable: below the floor's ideal {ideal:.2f})" if ideal > target else ")"
             peak = max(rec["peak_mem_bytes"]) - off_peak
+            busy_s, waiting_s = busy_and_waiting_s(results[label]["records"])
             depth = cfg.options.get("prefetch_depth", 1)
             gathered = budget.gathered_peak_bytes(unit_bytes(model, cfg), depth, cfg.prefetch) - off_gathered
             rows.append(f"| {model} | {link:.4f} | {label} | {results[label]['step_s']:.3f} | {ratio:.2f} | "
-                        f"{ideal:.2f} | {hideable_s:.3f} / {floor['floor_s']:.3f} | {bytes_ok} | {losses_ok} | "
+                        f"{ideal:.2f} | {hideable_s:.3f} / {floor['floor_s']:.3f} | "
+                        f"{busy_s * 1e3:.0f} / {waiting_s * 1e3:.0f} | {bytes_ok} | {losses_ok} | "
                         f"{peak / 1e6:+.2f} | {gathered / 1e6:+.2f} | {check} |")  # fmt: skip
             print(rows[-1], flush=True)
     return rows
@@ -154,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
              "## Prefetch against the floor, scratch, 2 ranks, emulated link at 0.5 x compute", "",
              "floor's ideal: the no-prefetch step less the seconds of the collectives the unit plan can hide, "
              "each priced on the calibrated machine as the longer of the link's time and gloo's own; the floor: "
-             "the collectives with no compute beside them (`labkit.budget.exposed_floor`).", "",
+             "the collectives with no compute beside them (`labkit.budget.exposed_floor`). busy / waiting: "
+             "per step, what a rank's compute thread spent computing and blocked on collectives (medians over ranks "
+             "and steps): the ideal assumes the no-prefetch run's busy time, but on CPU gloo's own work (its "
+             "reduce-scatter is an all-reduce inside, the costliest) runs on the same cores beside the compute "
+             "that hides it, and slows it.", "",
              *prefetch_rows(calibration["profile"], args.steps, args.reps), ""]  # fmt: skip
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines.append(

@@ -153,6 +153,12 @@ def test_03_scale_model_is_budgets(executed):
     big = budget.plan(30e9, 256, "zero3", tokens_per_rank=16384, link_gbytes=50, peak_tflops=989, mfu=0.4)
     assert f"{budget.format_bytes(big['traffic_bytes_per_rank'])}" in text
     assert f"{big['comm_time_s']:.2f} s" in text and f"{big['compute_time_s']:.2f} s" in text
+    # rank 0's computing time (waits cut out) and its waits make up its step, with prefetch and without
+    runs = re.findall(r"prefetch (off|on) ?: step (\d+) ms, exposed comm on rank 0 (\d+) ms", text)
+    busy = re.search(r"rank 0 computing, waits cut out: (\d+) ms without prefetch, (\d+) ms with", text)
+    assert len(runs) == 2 and busy, text
+    for (_, step_ms, exposed_ms), busy_ms in zip(runs, busy.groups(), strict=True):
+        assert int(busy_ms) + int(exposed_ms) == pytest.approx(int(step_ms), rel=0.1), (runs, busy.groups())
 
 
 def test_04_offload_scale_model_and_measured(executed):

@@ -15,7 +15,13 @@ from labkit import plots
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.model import build_model
-from labkit.probes.timeline import compute_segments, merge_intervals, subtract_intervals
+from labkit.probes.timeline import (
+    busy_s,
+    compute_segments,
+    exposed_comm_s,
+    merge_intervals,
+    subtract_intervals,
+)
 
 N_BLOCKS = len(build_model("tiny").blocks)
 ENGINES = ("scratch", "fsdp2", "deepspeed")
@@ -79,6 +85,12 @@ def test_compute_segments_cut_the_waits_out_and_name_what_is_left_of_each_phase(
         "optimizer": [(22, 24)],
         "wait": [(0, 1), (4, 5), (6, 7), (16, 17), (20, 21)],
     }
+
+
+def test_busy_s_is_the_compute_segments_summed_the_waits_left_out():
+    # 3 + 2 forward blocks, 2 head and loss, 4 + 3 backward blocks, 3 root backward, 2 optimizer; 5 s waited
+    assert busy_s(hand_made_step(), rank=0) == 19
+    assert busy_s(hand_made_step(), rank=0) + exposed_comm_s(hand_made_step(), rank=0) == 24
 
 
 def test_compute_segments_tile_the_step_without_overlap_and_merge_overlapping_waits():

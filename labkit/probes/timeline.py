@@ -252,6 +252,11 @@ def compute_segments(events: Sequence[dict], rank: int) -> list[dict]:
     return sorted(out, key=lambda s: s["start_s"])
 
 
+def busy_s(events: Sequence[dict], rank: int) -> float:
+    """Seconds `rank`'s compute thread computed, the waits on collectives cut out (`compute_segments`)."""
+    return sum(s["end_s"] - s["start_s"] for s in compute_segments(events, rank) if s["kind"] == "compute")
+
+
 def _merged_waits(waits: Iterable[dict]) -> list[dict]:
     """Wait events, overlapping ones merged into one, named after the collectives waited on."""
     out: list[dict] = []
