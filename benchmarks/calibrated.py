@@ -7,12 +7,15 @@
    and ddp on `small` at 2 and 4 ranks, with no emulated link and with one set so that the scratch engine's
    wire bytes take 0.5 x the plan's compute; each beside the measured median step (PASS within 20%).
 2. The scratch engine on `small` and `tiny_deep` at 2 ranks under that link: prefetch (depth 1 and 2, the
-   root split; depth 1 with one root) over no prefetch, beside the floor's ideal: the no-prefetch step less
-   the seconds of the collectives the unit plan could hide (`labkit.engines.scratch.exposed_floor` priced
-   on the calibrated machine: each collective the longer of the link's time and gloo's own); PASS at
+   root split; depth 1 with one root) over no prefetch, beside the floor's ideal: the no-prefetch run's
+   compute (its waits cut out) plus the floor, the collectives with no compute beside them
+   (`labkit.engines.scratch.exposed_floor` priced on the calibrated machine: each collective the longer of
+   the link's time and gloo's own), over the no-prefetch step; PASS at
    <= 0.70 on `small` and <= 0.65 on `tiny_deep`, with the wire bytes equal to `predicted_wire_bytes` and
    the losses to `single`'s; a target below the floor's ideal is marked unreachable. Figures are medians
    over repetitions that alternate the runs; a loaded machine moves them.
+3. What gloo's collectives cost the CPU, on one block of `small` (`gloo_cpu.py`): why the compute that
+   prefetch hides a collective behind runs slower.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import sys
 import time
 from dataclasses import replace
 
-from sections import write_report  # benchmarks/sections.py (a script's own folder is on sys.path)
+import gloo_cpu  # this folder's own scripts (a script's own folder is on sys.path)
+from sections import write_report
 
 from labkit import budget, calibrate
 from labkit.engines import scratch
@@ -113,7 +117,7 @@ def busy_and_waiting_s(records: list[dict]) -> tuple[float, float]:
 
 def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
     rows = ["2 ranks: the machine profile of the 2-rank runs above sets the link.", "",
-            "| model | link GB/s | variant | step s | / no prefetch | floor's ideal | comm s: hideable / floor "
+            "| model | link GB/s | variant | step s | / no prefetch | floor's ideal | floor ms (plan) "
             "| busy / waiting ms | bytes = formula | losses = single | peak MB - no prefetch's "
             "| gathered peak MB - no prefetch's (budget) | target |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -127,6 +131,7 @@ def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
         results = dict(zip(cfgs, medians([("scratch", c) for c in cfgs.values()], reps), strict=True))
         single = run("single", replace(base, steps=steps))["losses"]
         off = results["no prefetch"]["step_s"]
+        off_busy_s, _ = busy_and_waiting_s(results["no prefetch"]["records"])
         off_peak = max(results["no prefetch"]["records"][-1]["peak_mem_bytes"])
         off_gathered = budget.gathered_peak_bytes(unit_bytes(model, base), prefetch=False)
         for label, cfg in cfgs.items():
@@ -135,8 +140,7 @@ def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
             bytes_ok = wire == scratch.predicted_wire_bytes(build_model(model), cfg, 2)
             losses_ok = all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(rec["losses"], single, strict=True))
             floor = scratch.exposed_floor(build_model(model), cfg, 2, machine=profile)
-            hideable_s = floor["comm_s"] - floor["floor_s"]
-            ideal = (off - hideable_s) / off
+            ideal = (off_busy_s + floor["floor_s"]) / off
             ratio = results[label]["step_s"] / off
             check = ""
             if label == "prefetch, depth 1":
@@ -147,7 +151,7 @@ def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
             depth = cfg.options.get("prefetch_depth", 1)
             gathered = budget.gathered_peak_bytes(unit_bytes(model, cfg), depth, cfg.prefetch) - off_gathered
             rows.append(f"| {model} | {link:.4f} | {label} | {results[label]['step_s']:.3f} | {ratio:.2f} | "
-                        f"{ideal:.2f} | {hideable_s:.3f} / {floor['floor_s']:.3f} | "
+                        f"{ideal:.2f} | {floor['floor_s'] * 1e3:.1f} | "
                         f"{busy_s * 1e3:.0f} / {waiting_s * 1e3:.0f} | {bytes_ok} | {losses_ok} | "
                         f"{peak / 1e6:+.2f} | {gathered / 1e6:+.2f} | {check} |")  # fmt: skip
             print(rows[-1], flush=True)
@@ -168,14 +172,15 @@ def main(argv: list[str] | None = None) -> int:
              "## Predicted (calibrated `labkit.budget`) against measured median step, `small`", "",
              *predicted, "",
              "## Prefetch against the floor, scratch, 2 ranks, emulated link at 0.5 x compute", "",
-             "floor's ideal: the no-prefetch step less the seconds of the collectives the unit plan can hide, "
-             "each priced on the calibrated machine as the longer of the link's time and gloo's own; the floor: "
-             "the collectives with no compute beside them (`labkit.budget.exposed_floor`). busy / waiting: "
-             "per step, what a rank's compute thread spent computing and blocked on collectives (medians over ranks "
-             "and steps): the ideal assumes the no-prefetch run's busy time, but on CPU gloo's own work (its "
-             "reduce-scatter is an all-reduce inside, the costliest) runs on the same cores beside the compute "
-             "that hides it, and slows it.", "",
-             *prefetch_rows(calibration["profile"], args.steps, args.reps), ""]  # fmt: skip
+             "busy / waiting: per step, what a rank's compute thread spent computing and blocked on collectives "
+             "(`labkit.probes.timeline`, medians over ranks and steps). floor: the collectives with no compute "
+             "beside them (`labkit.budget.exposed_floor`), each priced on the calibrated machine as the longer of "
+             "the link's time and gloo's own. floor's ideal: the no-prefetch run's busy time plus the floor, over "
+             "its step: every other collective hidden, the compute unchanged. On CPU the compute does change: "
+             "gloo's own work runs on the cores beside the compute that hides it (its reduce-scatter is an "
+             "all-reduce inside, the costliest; last section), and busy time grows.", "",
+             *prefetch_rows(calibration["profile"], args.steps, args.reps), "",
+             *gloo_cpu.section_lines(gloo_cpu.measure("small")), ""]  # fmt: skip
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines.append(
         f"Load average as it ended (1, 5, 15 min): {load}; wall {time.perf_counter() - start:.0f} s."
