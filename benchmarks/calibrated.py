@@ -3,9 +3,11 @@
     python benchmarks/calibrated.py [--reps 2] [--steps 5] [--out benchmarks/results-calibrated.md]
 
 1. `labkit.calibrate.calibrate` profiles this machine at each world size just before that world size's runs
-   (a machine shared with other work changes under the benchmark); `predicted_step_s` prices one step of scratch, fsdp2
-   and ddp on `small` at 2 and 4 ranks, with no emulated link and with one set so that the scratch engine's
-   wire bytes take 0.5 x the plan's compute; each beside the measured median step (PASS within 20%).
+   and just after them (a VM under sustained load slows; a machine shared with other work changes under
+   the benchmark); `predicted_step_s` prices one step of scratch, fsdp2 and ddp on `small` at 2 and 4
+   ranks with the mean of the two profiles, with no emulated link and with one set (from the first
+   profile) so that the scratch engine's wire bytes take 0.5 x the plan's compute; each beside the
+   measured median step (PASS within 20%).
 2. The scratch engine on `small` and `tiny_deep` at 2 ranks under that link: prefetch (depth 1 and 2, the
    root split; depth 1 with one root) over no prefetch, beside the floor's ideal: the no-prefetch run's
    compute (its waits cut out) plus the floor, the collectives with no compute beside them
@@ -66,18 +68,39 @@ def medians(runs: list[tuple[str, RunConfig]], reps: int) -> list[dict]:
     return out
 
 
+def mean_profile(before: dict, after: dict) -> dict:
+    """The machine profile whose every figure is the mean of `before`'s and `after`'s (same keys)."""
+    if isinstance(before, dict):
+        return {k: mean_profile(v, after[k]) for k, v in before.items()}
+    if isinstance(before, float):
+        return (before + after) / 2
+    return before
+
+
 def prediction_rows(steps: int, reps: int) -> tuple[list[str], dict]:
-    """The predicted/measured table, and the profile of 2 ranks (calibrated just before their runs)."""
+    """The predicted/measured table, and the profile of 2 ranks (calibrated just before their runs).
+
+    This machine (a VM) slows under sustained load, so each world size is calibrated just before its runs
+    (which sets the link) and again just after; the prediction uses the mean of the two profiles, and the
+    table says how far the compute rate moved between them.
+    """
     profiles, rows = {}, ["| ranks | link | engine | measured s | predicted s | predicted/measured | within 20% |",
             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for n in (2, 4):
-        profile = profiles[n] = calibrate.calibrate("small", (n,))
-        print(calibrate.profile_table(profile), flush=True)
+        before = profiles[n] = calibrate.calibrate("small", (n,))
+        print(calibrate.profile_table(before), flush=True)
         base = RunConfig(model="small", world_size=n, steps=steps)
-        link = half_compute_link(base, profile)
+        link = half_compute_link(base, before)
         configs = [("none", base), (f"{link:.3f} GB/s (0.5 x compute)", replace(base, link_gbytes=link))]
         runs = [(e, cfg) for _, cfg in configs for e in ENGINES]
-        for (engine, cfg), m in zip(runs, medians(runs, reps), strict=True):
+        measured = medians(runs, reps)
+        after = calibrate.calibrate("small", (n,))
+        profile = mean_profile(before, after)
+        drift = after["compute_flops_per_s"] / before["compute_flops_per_s"] - 1
+        rows.append(f"| {n} | compute rate before / after the runs: {before['compute_flops_per_s'] / 1e9:.1f} / "
+                    f"{after['compute_flops_per_s'] / 1e9:.1f} GFLOP/s ({drift:+.0%}); predicted with their mean "
+                    "| | | | | |")  # fmt: skip
+        for (engine, cfg), m in zip(runs, measured, strict=True):
             label = next(lbl for lbl, c in configs if c == cfg)
             predicted = calibrate.predicted_step_s(engine, cfg, profile)
             ratio = predicted / m["step_s"]
