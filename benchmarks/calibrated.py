@@ -154,7 +154,8 @@ def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
         results = dict(zip(cfgs, medians([("scratch", c) for c in cfgs.values()], reps), strict=True))
         single = run("single", replace(base, steps=steps))["losses"]
         off = results["no prefetch"]["step_s"]
-        off_busy_s, _ = busy_and_waiting_s(results["no prefetch"]["records"])
+        timing = {label: busy_and_waiting_s(r["records"]) for label, r in results.items()}
+        off_busy_s, _ = timing["no prefetch"]
         off_peak = max(results["no prefetch"]["records"][-1]["peak_mem_bytes"])
         off_gathered = budget.gathered_peak_bytes(unit_bytes(model, base), prefetch=False)
         for label, cfg in cfgs.items():
@@ -170,7 +171,7 @@ def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
                 check = verdict(ratio <= target and bytes_ok and losses_ok) + f" (<= {target}"
                 check += f"; unreachable: below the floor's ideal {ideal:.2f})" if ideal > target else ")"
             peak = max(rec["peak_mem_bytes"]) - off_peak
-            busy_s, waiting_s = busy_and_waiting_s(results[label]["records"])
+            busy_s, waiting_s = timing[label]
             depth = cfg.options.get("prefetch_depth", 1)
             gathered = budget.gathered_peak_bytes(unit_bytes(model, cfg), depth, cfg.prefetch) - off_gathered
             rows.append(f"| {model} | {link:.4f} | {label} | {results[label]['step_s']:.3f} | {ratio:.2f} | "

@@ -111,10 +111,8 @@ class PeakMemory:
             gc.collect()
             torch.cuda.synchronize(self.device)
             self.prior_bytes = torch.cuda.memory_allocated(self.device)
-        else:
-            tracker = _LiveStorages()
-            tracker.add(_reachable_storages())
-            self.prior_bytes = tracker.live_bytes
+        else:  # each storage once, as `_LiveStorages` counts them (no tracker: nothing is watched yet)
+            self.prior_bytes = sum({id(st): st.nbytes() for st in _reachable_storages()}.values())
         return self.prior_bytes
 
     def start(self, state_tensors: Iterable[torch.Tensor] = ()) -> None:
