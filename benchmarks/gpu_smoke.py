@@ -373,14 +373,15 @@ def check_helpers(smoke: Smoke, world_size: int, gpus: int) -> None:
     for name, (status, detail) in ranks[0].items():
         worst = next((r[name] for r in ranks if r[name][0] == "FAILED"), (status, detail))
         smoke.add("helpers", name, worst[0], worst[1], 0.0)
-    smoke.check("helpers", "build-along checks (reference pieces)", check_build_along, world_size)
+    smoke.check("helpers", "build-along checks (02's filled pieces)", check_build_along, world_size)
 
 
 def check_build_along(world_size: int) -> str:
     from labkit.build import checks
-    from labkit.build.reference import PIECES
+    from labkit.build.cells import pieces_from_notebook
 
-    results = checks.run_checks([(s, PIECES) for s in checks.STEPS], world_size, "tiny_uneven", quiet=True)
+    pieces = pieces_from_notebook()  # the instructor's copy: the build cells filled
+    results = checks.run_checks([(s, pieces) for s in checks.STEPS], world_size, "tiny_uneven", quiet=True)
     failed = [str(r) for r in results if not r.ok]
     if failed:
         raise AssertionError("; ".join(failed))

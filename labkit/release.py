@@ -3,18 +3,22 @@
 It holds the notebooks, the pristine exercises, the docs a student reads and the labkit the notebooks
 import, with no `solutions/` and none of the grader's checks (`labkit/grading/checks/ex*.py`: their hidden
 cases and the judges that compute reference answers); there `check()` runs the public checks
-(`labkit.grading.public`). Before it is done, every file is searched for every answer cell of the solutions.
+(`labkit.grading.public`). Every `build` cell of the notebooks becomes its stub (`metadata.labkit.stub`):
+the learner writes it. Before the release is done, every file is searched for every line of answer code:
+the lines of the solutions' answer cells and of the filled build cells that their stubs do not show.
 """
 
 from __future__ import annotations
 
+import keyword
+import re
 import shutil
 from pathlib import Path
 
 import nbformat
 
-from labkit.course import PACKAGE_DIR, course_dir, course_path
-from labkit.grading.exercises import ANSWER, NOTEBOOK_VERSION, role, source
+from labkit.course import PACKAGE_DIR, course_dir
+from labkit.grading.exercises import ANSWER, NOTEBOOK_VERSION, source
 
 MARKER = ".labkit-release"  # in a folder this command wrote: a later run may replace its contents
 KEPT = (".git", MARKER)  # what a re-release leaves in place (the repository students pull)
@@ -46,6 +50,8 @@ def release_student(out: Path) -> list[Path]:
         elif src.is_file():
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, out / name)
+    for path in sorted((out / "notebooks").glob("*.ipynb")):
+        stub_build_cells(path)
     shutil.copytree(PACKAGE_DIR, out / "labkit", ignore=JUNK)
     for pattern in INSTRUCTOR_ONLY:
         for path in (out / "labkit").glob(pattern):
@@ -54,7 +60,7 @@ def release_student(out: Path) -> list[Path]:
     (out / MARKER).write_text(
         "written by `labkit release --student`; the next run replaces everything but .git\n"
     )
-    leaks = answer_leaks(out, course_path("solutions"))
+    leaks = answer_leaks(out, answer_lines(root))
     if leaks:
         _clear(out)  # nothing of a release that shows an answer is left to push
         raise ValueError(f"the release would show the answer {leaks[0]}; remove it there and release again")
@@ -72,9 +78,62 @@ def _clear(out: Path) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
+BUILD = "build"
+
+
+def stub_build_cells(path: Path) -> int:
+    """Put each `build` cell's stub (`metadata.labkit.stub`) in its place in the notebook at `path`; how many."""
+    nb = nbformat.read(path, as_version=NOTEBOOK_VERSION)
+    cells = [c for c in nb.cells if BUILD in c.get("metadata", {}).get("tags", [])]
+    for cell in cells:
+        stub = cell.metadata.get("labkit", {}).get("stub")
+        if not isinstance(stub, str) or not stub.strip():
+            raise ValueError(
+                f"{path.name}: build cell {cell.id} has no stub; put the cell the learner starts from in its "
+                "metadata.labkit.stub"
+            )
+        cell.source = stub.rstrip("\n")
+        cell.outputs, cell.execution_count = [], None
+    if cells:
+        nbformat.write(nb, path)
+    return len(cells)
+
+
 def normalised_lines(text: str) -> list[str]:
     """The lines of `text` that carry code: stripped, without blank lines and comment lines."""
     return [s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")]
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def telling(line: str) -> bool:
+    """A line that says something of an answer: two names or more that are not Python keywords
+    (`return out`, `else:` or `import torch` could be any code's)."""
+    return len([w for w in _NAME.findall(line) if not keyword.iskeyword(w)]) >= 2
+
+
+def answer_lines(root: Path) -> dict[str, str]:
+    """{line: where it answers} for every telling line of answer code in the course at `root`: the solutions'
+    answer cells (less what the pristine exercise's cells show) and the notebooks' filled build cells (less
+    what their stubs show)."""
+    given: set[str] = set()
+    answers: list[tuple[str, str]] = []
+    for path in sorted((root / "exercises").glob("*.ipynb")):
+        given.update(normalised_lines(file_text(path)))
+    solutions = root / "solutions"
+    for path in sorted(solutions.glob("*.ipynb")) if solutions.is_dir() else []:
+        for cell in nbformat.read(path, as_version=NOTEBOOK_VERSION).cells:
+            if ANSWER in cell.get("metadata", {}).get("tags", []):
+                answers += [(line, f"{path.name} cell {cell.id}") for line in normalised_lines(source(cell))]
+    for path in sorted((root / "notebooks").glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=NOTEBOOK_VERSION).cells:
+            if BUILD in cell.get("metadata", {}).get("tags", []):
+                given.update(normalised_lines(cell.metadata.get("labkit", {}).get("stub", "")))
+                answers += [
+                    (line, f"{path.name} build cell {cell.id}") for line in normalised_lines(cell.source)
+                ]
+    return {line: where for line, where in reversed(answers) if telling(line) and line not in given}
 
 
 def file_text(path: Path) -> str:
@@ -84,17 +143,16 @@ def file_text(path: Path) -> str:
     return path.read_text(errors="replace")
 
 
-def answer_leaks(folder: Path, solutions: Path) -> list[str]:
-    """'<solution> cell <id> in <file>' for every answer cell of `solutions` whose code appears in a file."""
-    answers = []
-    for nb_path in sorted(solutions.glob("*.ipynb")) if solutions.is_dir() else []:
-        for cell in nbformat.read(nb_path, as_version=NOTEBOOK_VERSION).cells:
-            if role(cell) == ANSWER:
-                answers.append((f"{nb_path.name} cell {cell.id}", "\n".join(normalised_lines(source(cell)))))
+def answer_leaks(folder: Path, answers: dict[str, str]) -> list[str]:
+    """'<where> in <file> (<line>)' for every line of `answers` (answer_lines) that a file in `folder` holds."""
     leaks = []
     for path in sorted(
         p for p in folder.rglob("*") if p.is_file() and ".git" not in p.relative_to(folder).parts
     ):
-        text = "\n".join(normalised_lines(file_text(path)))
-        leaks += [f"{name} in {path.relative_to(folder)}" for name, code in answers if code and code in text]
+        lines = set(normalised_lines(file_text(path)))
+        leaks += [
+            f"{where} in {path.relative_to(folder)} ({line})"
+            for line, where in answers.items()
+            if line in lines
+        ]
     return leaks

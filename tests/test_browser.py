@@ -38,6 +38,7 @@ from browser_helpers import (
 )
 
 from labkit import budget, plots, widgets
+from labkit.cli import main as labkit_main
 
 NOTEBOOK = ROOT / "notebooks" / "01_memory.ipynb"  # the one with the calculator; fast up to it
 CALCULATOR_CALL = "budget_calculator("
@@ -261,36 +262,41 @@ def test_calculator_runs_and_follows_its_slider_in_jupyterlab(open_page, tmp_pat
     print(f"screenshots: {shots}/lab-01_memory-ran.png, calculator-before.png, calculator-after.png")
 
 
-BUILD_ALONG = ROOT / "notebooks" / "02_zero3_from_scratch.ipynb"
-# What a learner types into step 1's try-it-yourself cell: a shard that forgets the padding.
-NO_PADDING_SHARD = """mine = True
-if mine:
-
-    def shard(full, rank, n):
-        rows = full.shape[0] // n
-        return full[rank * rows : (rank + 1) * rows].float().clone()
+BUILD_ALONG = "02_zero3_from_scratch.ipynb"
+# What a learner writes into step 1's build cell of the student copy: a right shard, in their own words.
+LEARNERS_SHARD = """def shard(full, rank, n):
+    per_rank = (full.shape[0] + n - 1) // n
+    piece = torch.zeros((per_rank, *full.shape[1:]), dtype=torch.float32, device=full.device)
+    real = full[rank * per_rank : (rank + 1) * per_rank]
+    piece[: len(real)] = real
+    return piece
 """
 
 
-def test_the_build_along_runs_and_its_check_names_a_learners_mistake_in_jupyterlab(open_page, tmp_path):
-    """02 in JupyterLab: every step's check passes on the filled pieces; then a learner's own shard without
-    padding, typed into step 1's try-it-yourself cell, makes step 1's check name the mistake."""
+def test_the_student_copy_of_the_build_along_says_write_this_piece_then_passes_the_learners_shard(
+    open_page, tmp_path, monkeypatch
+):
+    """02 of `labkit release --student` in JupyterLab, with the release's own labkit: Run All goes through the
+    stubs (each check says "write this piece"); a shard the learner types into step 1's build cell then
+    passes step 1's check."""
     page = open_page()
-    notebook_dir = tmp_path / "notebooks"
-    notebook_dir.mkdir()
-    nb = json.loads(BUILD_ALONG.read_text())
+    release = tmp_path / "student"
+    assert labkit_main(["release", "--student", str(release)]) == 0
+    copy = release / "notebooks" / BUILD_ALONG
+    nb = json.loads(copy.read_text())
     nb["metadata"]["kernelspec"] = {"name": KERNEL, "display_name": KERNEL, "language": "python"}
-    copy = notebook_dir / BUILD_ALONG.name
     copy.write_text(json.dumps(nb, indent=1))
+    monkeypatch.setenv("PYTHONPATH", str(release))  # the kernel imports the release's labkit
     sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     check_cells = [i for i, src in enumerate(sources) if re.search(r"^\w+_check = checks\.check_", src, re.M)]
     assert len(check_cells) == 6, "02 should have one check per build step"
-    stub = next(i for i, src in enumerate(sources) if src.startswith("mine = False") and "def shard(" in src)
+    stub = next(i for i, src in enumerate(sources) if 'write_this_piece("shard"' in src)
+    assert "-(-full.shape[0] // n)" not in "".join(sources)  # the filled answer is not in the student copy
     shots = artifacts_dir()
-    with running_lab(tmp_path, tmp_path / "lab") as (base, token):
+    with running_lab(release, tmp_path / "lab") as (base, token):
         open_and_run_all(page, base, token, copy, 4 * RUN_TIMEOUT_MS)
         cells = page.locator(".jp-CodeCell")
-        with step(page, "every step's check passed"):
+        with step(page, "every step's check says write this piece"):
             for i in check_cells:  # JupyterLab renders only the cells near the view: scroll to each
                 cells.nth(i).scroll_into_view_if_needed()
                 output = cells.nth(i).locator(".jp-OutputArea")
@@ -298,23 +304,23 @@ def test_the_build_along_runs_and_its_check_names_a_learners_mistake_in_jupyterl
                     "e => /[✓✗]/.test(e.innerText)", arg=output.element_handle(), timeout=STEP_TIMEOUT_MS
                 )
                 text = output.inner_text()
-                assert text.lstrip().startswith("✓"), f"code cell {i}: {text[:300]}"
-            page.screenshot(path=str(shots / "lab-02_build-along-ran.png"))
-        with step(page, "a learner's shard without padding"):
+                assert text.lstrip().startswith("✗") and "write this piece: " in text, f"cell {i}: {text}"
+            page.screenshot(path=str(shots / "lab-02_student-copy-ran.png"))
+        with step(page, "the learner writes shard and runs its check"):
             cells.nth(stub).scroll_into_view_if_needed()
             editor = cells.nth(stub).locator(".cm-content")
             editor.click()
             page.keyboard.press("Control+A")
-            page.keyboard.insert_text(NO_PADDING_SHARD)
-            page.keyboard.press("Shift+Enter")  # runs the stub and moves to the check cell
+            page.keyboard.insert_text(LEARNERS_SHARD)
+            page.keyboard.press("Shift+Enter")  # defines shard and moves to the check cell
             page.keyboard.press("Shift+Enter")  # runs the check
             verdict = cells.nth(check_cells[0]).locator(".jp-OutputArea")
             page.wait_for_function(
-                "e => e.innerText.includes('✗')", arg=verdict.element_handle(), timeout=RUN_TIMEOUT_MS
+                "e => e.innerText.includes('✓')", arg=verdict.element_handle(), timeout=RUN_TIMEOUT_MS
             )
             text = verdict.inner_text()
-            assert "ceil(" in text and "zero-padded" in text, text[:400]
-            cells.nth(check_cells[0]).screenshot(path=str(shots / "lab-02_shard-check-names-the-mistake.png"))
+            assert "write this piece" not in text, text[:400]
+            cells.nth(check_cells[0]).screenshot(path=str(shots / "lab-02_learners-shard-passes.png"))
 
 
 def _leaf_slides(page) -> int:

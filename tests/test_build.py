@@ -1,4 +1,4 @@
-"""The build-along (labkit.build): the scaffold's units and moments, the reference pieces against `single`,
+"""The build-along (labkit.build): the scaffold's units and moments, notebook 02's filled pieces against `single`,
 and each step's check catching a planted mistake with the sentence that names it. Few launches: each rank
 function below runs several cases."""
 
@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.build import Learner, Pieces, attach, checks, reference
-from labkit.build.reference import PIECES
+from labkit.build import Learner, Pieces, attach, checks
+from labkit.build.cells import build_cells, notebook_namespace, pieces_from_notebook
+from labkit.build.stubs import NotWritten, write_this_piece
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
@@ -22,18 +23,12 @@ from labkit.model import batch, build_model
 
 MODEL = "tiny_uneven"
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02_zero3_from_scratch.ipynb"
+FILLED = notebook_namespace()  # the instructor's copy: the build cells filled
+PIECES = pieces_from_notebook()
 
 
 def _tagged(tag: str) -> list:
     return [c for c in nbformat.read(NOTEBOOK, as_version=4).cells if tag in c.metadata.get("tags", [])]
-
-
-def _notebook_pieces() -> Pieces:
-    """The pieces the notebook's `build` cells define, executed in order in one namespace."""
-    namespace: dict = {"__name__": "notebook_02"}
-    for cell in _tagged("build"):
-        exec(compile(cell.source, "notebook 02 build cell", "exec"), namespace)
-    return Pieces(*(namespace[f.name] for f in dataclasses.fields(Pieces)))
 
 
 def _train_both(pieces: Pieces, steps: int = 3) -> dict:
@@ -62,18 +57,26 @@ def _train_both(pieces: Pieces, steps: int = 3) -> dict:
 
 @pytest.fixture(scope="module")
 def reference_runs():
-    pieces = _notebook_pieces()
+    pieces = PIECES
     return {n: labkit.launch(_train_both, n, pieces)[0] for n in (2, 3)}
 
 
-def test_notebook_build_cells_are_the_reference_pieces():
+def test_each_build_cell_has_a_stub_that_defines_its_names_and_says_write_this_piece():
     cells = _tagged("build")
-    assert len(cells) >= 4
-    assert [c.source.strip() for c in cells] == [s.strip() for s in reference.build_cells().values()]
+    given = [c.id for c in _tagged("build-given")]
+    assert len(cells) == 6 and sorted(build_cells()) == sorted(given + [c.id for c in cells])
     lines = sum(len([x for x in c.source.splitlines() if x.strip()]) for c in cells)
-    assert 40 <= lines <= 100, lines
-    stubs = [c for c in _tagged("notebook-only") if c.source.startswith("mine = False")]
-    assert len(stubs) >= len(cells)  # a try-it-yourself variant under each step
+    assert 25 <= lines <= 80, lines
+    assert not [c for c in _tagged("notebook-only") if c.source.startswith("mine = False")]
+    for cell in cells:
+        filled, stub = {}, {"write_this_piece": write_this_piece, **FILLED}
+        exec(compile(cell.source, "filled", "exec"), {**FILLED}, filled)
+        exec(compile(cell.metadata["labkit"]["stub"], "stub", "exec"), stub)
+        names = [name for name in filled if callable(filled[name])]
+        assert names and all(stub[name] is not FILLED.get(name) for name in names), cell.id
+        for name in names:
+            with pytest.raises(NotWritten, match=f"^write this piece: {name} \\("):
+                stub[name](*[None] * stub[name].__code__.co_argcount)
     assert len(_tagged("predict")) >= 2
 
 
@@ -135,7 +138,7 @@ def _after_grad(op=dist.ReduceOp.SUM, divide=True, drop_grad=True, free=True):
             if drop_grad:
                 p.grad = None
             if free:
-                reference.free(p)
+                FILLED["free"](p)
 
     return after_grad
 
@@ -147,7 +150,7 @@ def _swap_free(unit):  # frees by giving each parameter a new empty tensor
 
 def _gather_into_new_tensor(unit):
     for p, s, d0 in zip(unit.params, unit.shards, unit.d0, strict=True):
-        p.data = reference.gather(s, d0, unit.group)
+        p.data = FILLED["gather"](s, d0, unit.group)
 
 
 def _lab_adamw(params):
@@ -156,15 +159,15 @@ def _lab_adamw(params):
 
 
 def _stub_shard(full, rank, n):
-    raise NotImplementedError("write shard")
+    write_this_piece("shard", "the idea")
 
 
 P = PIECES
 PLANTED = {  # name: (step, pieces, words the sentence must contain)
     "no padding": ("shard", dataclasses.replace(P, shard=lambda full, r, n: full.tensor_split(n)[r].clone()),
                    ["rank 2 of 3 has 33 rows of the 101-row tok.weight", "ceil(101/3) = 34", "zero-padded"]),
-    "stub": ("shard", dataclasses.replace(P, shard=_stub_shard), ["NotImplementedError: write shard"]),
-    "gather keeps padding": ("gather", dataclasses.replace(P, gather=lambda s, d0, group=None: reference.gather(
+    "stub": ("shard", dataclasses.replace(P, shard=_stub_shard), ["write this piece: shard (the idea), then run this check again"]),
+    "gather keeps padding": ("gather", dataclasses.replace(P, gather=lambda s, d0, group=None: FILLED["gather"](
         s, s.shape[0] * dist.get_world_size(group), group)), ["102 rows of tok.weight", "first d0 = 101"]),
     "missing free": ("forward", dataclasses.replace(P, after_forward=lambda unit: None),
                      ["after forward root, blocks.0, blocks.1 and blocks.2 still hold", "free them in after_forward"]),

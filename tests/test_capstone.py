@@ -1,7 +1,7 @@
 """The capstone (exercise 07): the solution scores full marks, the pristine exercise 0 (graded, not an error),
-and three planted mistakes each lose the one check that catches them, with feedback naming the mistake.
+and six planted mistakes each lose the checks of the property they break, with feedback naming the mistake.
 
-One `labkit grade DIR --gradebook` batch grades the five submissions (about a minute on two loaded cores with
+One `labkit grade DIR --gradebook` batch grades the eight submissions (about a minute on two loaded cores with
 --jobs 3); the planted mistakes are edits of the solution's answer cells in temporary copies.
 """
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "07_capstone.ipynb"
 EXERCISE = ROOT / "exercises" / "07_capstone.ipynb"
 BATCH_TIMEOUT_S = 240  # per submission; generous: 2 shared cores
-TRAINING, BYTES, STATE, PREFETCH = (c.name for c in load("ex07_capstone").checks)
+TRAINING, BYTES, FREED, SHARDED_GRADS, STATE, PREFETCH = (c.name for c in load("ex07_capstone").checks)
 
 # mistake -> [(answer cell id, text of the solution, what the mistake writes instead)]
 PLANTED = {
@@ -47,12 +47,37 @@ PLANTED = {
         ),
     ],
     "no_mean": [("answer-hooks", "    mine /= n", "    pass")],  # the sum over ranks, not the mean
+    "kept_after_forward": [  # every unit's full weights stay gathered from its forward to its backward
+        (
+            "answer-hooks",
+            "def after_forward(unit: Unit) -> None:\n    for p in unit.params:\n        free(p)",
+            "def after_forward(unit: Unit) -> None:\n    pass",
+        )
+    ],
+    "full_grads_kept": [("answer-hooks", "        p.grad = None\n", "")],  # autograd accumulates into them
+    "all_reduce": [  # the right mean, by an all-reduce of the whole buffer: n/(n-1)... twice the wire bytes
+        (
+            "answer-hooks",
+            "dist.reduce_scatter_single(mine, send.reshape(-1), op=dist.ReduceOp.SUM, group=unit.group)",
+            "dist.all_reduce(send, group=unit.group)\n    mine.copy_(send[unit.rank])",
+        )
+    ],
 }
-LOSES = {"no_prefetch": PREFETCH, "parameter_major": TRAINING, "no_mean": TRAINING}
+LOSES = {
+    "no_prefetch": {PREFETCH},
+    "parameter_major": {TRAINING},
+    "no_mean": {TRAINING},
+    "kept_after_forward": {FREED},
+    "full_grads_kept": {TRAINING, SHARDED_GRADS, STATE},
+    "all_reduce": {BYTES},
+}
 SAYS = {
     "no_prefetch": "not yet for blocks.1",
     "parameter_major": "rank-major",
     "no_mean": "divide the reduce-scatter's sum by n",
+    "kept_after_forward": "free them in after_forward",
+    "full_grads_kept": "set each p.grad to None",
+    "all_reduce": "also ran all_reduce: ZeRO-3 needs only all-gathers and reduce-scatters",
 }
 
 
@@ -80,7 +105,7 @@ def reports(tmp_path_factory) -> dict[str, dict]:
     done = labkit_cli(
         "grade", str(folder), "--gradebook", str(gradebook), "--timeout", str(BATCH_TIMEOUT_S), "--jobs", "3"
     )
-    print(f"\ncapstone batch of 5: {time.monotonic() - start:.1f} s")
+    print(f"\ncapstone batch of {len(PLANTED) + 2}: {time.monotonic() - start:.1f} s")
     assert done.returncode == 0, done.stderr
     with open(gradebook, newline="") as f:
         files = [row["file"] for row in csv.DictReader(f)]
@@ -95,7 +120,7 @@ def reports(tmp_path_factory) -> dict[str, dict]:
 def test_the_solution_scores_full_marks_well_under_a_minute(reports):
     r = reports["solution"]
     assert r["status"] == "graded", r["reason"]
-    assert r["score"] == r["max_score"] == 10, r["checks"]
+    assert r["score"] == r["max_score"] == capstone.EXERCISE.max_score == 15, r["checks"]
     assert all(c["passed"] for c in r["checks"])
     times = r["timings_s"]
     print(f"solution: {r['runtime_s']:.1f} s ({times})")
@@ -105,31 +130,31 @@ def test_the_solution_scores_full_marks_well_under_a_minute(reports):
 def test_the_pristine_exercise_scores_zero_and_is_graded(reports):
     r = reports["pristine"]
     assert r["status"] == "graded", r["reason"]
-    assert r["score"] == 0 and r["max_score"] == 10
+    assert r["score"] == 0 and r["max_score"] == 15
     assert lock_entry(r)["passed"]
     assert all("NotImplementedError" in c["feedback"] for c in answer_checks(r)), r["checks"]
 
 
 @pytest.mark.parametrize("mistake", list(PLANTED))
-def test_each_planted_mistake_loses_its_check_and_only_it(reports, mistake):
+def test_each_planted_mistake_loses_the_checks_of_its_property_and_only_them(reports, mistake):
     r = reports[mistake]
     assert r["status"] == "graded", r["reason"]
     assert lock_entry(r)["passed"]  # only answer cells were edited
     for c in answer_checks(r):
-        if c["name"] == LOSES[mistake]:
+        if c["name"] in LOSES[mistake]:
             assert not c["passed"] and c["points"] < c["max_points"], (mistake, c)
-            assert SAYS[mistake] in c["feedback"], (mistake, c["feedback"])
         else:
             assert c["passed"], (mistake, c)
+    assert any(SAYS[mistake] in c["feedback"] for c in answer_checks(r)), (mistake, r["checks"])
     assert r["score"] < r["max_score"]
 
 
-def test_each_student_gets_a_seed_and_the_four_checks_share_one_limited_run(reports):
+def test_each_student_gets_a_seed_and_the_six_checks_share_one_limited_run(reports):
     seeds = {name: r["seed"] for name, r in reports.items()}
     assert seeds["solution"] == submission_seed(0, "ex07_capstone", "solution")
     assert len(set(seeds.values())) == len(seeds)  # a hidden model per student
     [group] = load("ex07_capstone").groups()
-    assert len(group) == 4 and {c.limit_s for c in group} == {capstone.RANKS_LIMIT_S}
+    assert len(group) == 6 and {c.limit_s for c in group} == {capstone.RANKS_LIMIT_S}
     assert capstone.LAUNCH_TIMEOUT_S < capstone.RANKS_LIMIT_S
     assert all(r["limits_s"]["answers"] >= capstone.RANKS_LIMIT_S for r in reports.values())
 
@@ -146,9 +171,17 @@ def test_the_hidden_models_are_uneven_against_3_ranks_and_not_tiny():
 
 def test_forged_or_malformed_observations_earn_nothing():
     exercise = load("ex07_capstone")
+    units = ["root", "blocks.0", "blocks.1", "blocks.2"]  # a forger's zeros: nothing held, nothing reduced
+    zeros = {
+        "after_forward": dict.fromkeys(units, 0),
+        "after_grad": {u: {"weights": 0, "grads": 0, "shard_grads": 0} for u in units},
+        "peak": {"bytes": 0, "unit": "root"},
+    }
     forged = {
         TRAINING: {"value": [{"losses": [4.0] * capstone.STEPS, "grads": {}}] * capstone.RANKS},
         BYTES: {"value": [{"all_gather": {"wire_bytes": 1}, "reduce_scatter": {"wire_bytes": 1}}] * 3},
+        FREED: {"value": [zeros] * capstone.RANKS},
+        SHARDED_GRADS: {"value": [zeros] * capstone.RANKS},
         STATE: {"value": [{"params": 0, "grads": 0, "optimizer": 0}] * capstone.RANKS},
         PREFETCH: {"value": [{"gathers": [], "order": []}] * capstone.RANKS},
     }

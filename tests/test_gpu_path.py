@@ -169,7 +169,8 @@ def _helpers_under_watch() -> dict[str, dict]:
     every tokens / targets tensor its model and loss saw came out of that one function."""
     import weakref
 
-    from labkit.build import checks, reference
+    from labkit.build import checks
+    from labkit.build.cells import pieces_from_notebook
     from labkit.engines import deepspeed_inspect, fsdp2_features, fsdp2_inspect, scratch
 
     placed: dict[int, weakref.ref] = {}  # storage address -> the tensor the function returned
@@ -194,7 +195,7 @@ def _helpers_under_watch() -> dict[str, dict]:
         "deepspeed_inspect.own_accounting_beside_probe": lambda: (
             deepspeed_inspect.own_accounting_beside_probe(cfg)
         ),
-        "build checks (forward)": lambda: checks._rank_forward(reference.PIECES, "tiny_uneven", 1),
+        "build checks (forward)": lambda: checks._rank_forward(pieces_from_notebook(), "tiny_uneven", 1),
     }
     out = {}
     try:

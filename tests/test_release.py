@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,11 +23,12 @@ def _answer_cells() -> dict[str, list[str]]:
     for path in sorted((ROOT / "solutions").glob("*.ipynb")):
         for cell in json.loads(path.read_text())["cells"]:
             if "answer" in cell.get("metadata", {}).get("tags", []):
-                lines = [
-                    s for ln in "".join(cell["source"]).splitlines() if (s := ln.strip()) and s[0] != "#"
-                ]
-                cells[f"{path.name} {cell['id']}"] = lines
+                cells[f"{path.name} {cell['id']}"] = _lines("".join(cell["source"]))
     return cells
+
+
+def _lines(text: str) -> list[str]:
+    return [s for ln in text.splitlines() if (s := ln.strip()) and s[0] != "#"]
 
 
 def _readable(path: Path) -> str:
@@ -34,7 +36,7 @@ def _readable(path: Path) -> str:
     text = path.read_text(errors="replace")
     if path.suffix == ".ipynb":
         text = "\n".join("".join(c["source"]) for c in json.loads(text)["cells"])
-    return "\n".join(s for ln in text.splitlines() if (s := ln.strip()) and s[0] != "#")
+    return "\n".join(_lines(text))
 
 
 def _found(folder: Path, cells: dict[str, list[str]]) -> list[str]:
@@ -47,6 +49,27 @@ def _found(folder: Path, cells: dict[str, list[str]]) -> list[str]:
             if "\n".join(lines) in text
         ]
     return found
+
+
+def _answer_code_lines() -> dict[str, str]:
+    """{line: where} for each line of answer code the release must not hold, found here independently of
+    labkit.release: the solutions' answer cells and the notebooks' filled build cells, less what the pristine
+    exercises and the stubs show, less lines with fewer than two names that are not keywords."""
+    import keyword
+    import re
+
+    given = {ln for p in (ROOT / "exercises").glob("*.ipynb") for ln in _readable(p).splitlines()}
+    code = [(ln, name) for name, lines in _answer_cells().items() for ln in lines]
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if "build" in cell["metadata"].get("tags", []):
+                given.update(_lines(cell["metadata"]["labkit"]["stub"]))
+                code += [(ln, f"{path.name} {cell['id']}") for ln in _lines("".join(cell["source"]))]
+
+    def telling(line):
+        return len([w for w in re.findall(r"[A-Za-z_]\w*", line) if not keyword.iskeyword(w)]) >= 2
+
+    return {ln: where for ln, where in code if ln not in given and telling(ln)}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +92,51 @@ def test_release_holds_the_course_and_no_solutions_or_grader_checks(release: Pat
     assert not (release / "docs" / "instructor.md").exists() and (release / "docs" / "cheatsheets").is_dir()
 
 
+def test_no_line_of_answer_code_is_anywhere_in_the_release(release: Path):
+    lines = _answer_code_lines()
+    assert len(lines) >= 80, len(lines)
+    assert any("reduce_scatter_single" in ln for ln in lines)  # the capstone's and 02's
+    held = [
+        f"{where}: {ln!r} in {path.relative_to(release)}"
+        for path in sorted(p for p in release.rglob("*") if p.is_file() and ".git" not in p.parts)
+        for ln in set(_readable(path).splitlines()) & set(lines)
+        for where in [lines[ln]]
+    ]
+    assert held == []
+    assert not (release / "labkit" / "build" / "reference.py").exists()
+
+
+def test_the_release_turns_every_build_cell_into_its_stub(release: Path):
+    built = 0
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        mine = {c["id"]: c for c in json.loads(path.read_text())["cells"]}
+        theirs = {c["id"]: c for c in json.loads((release / "notebooks" / path.name).read_text())["cells"]}
+        assert list(mine) == list(theirs), path.name
+        for cell_id, cell in mine.items():
+            if "build" in cell["metadata"].get("tags", []):
+                built += 1
+                assert "".join(theirs[cell_id]["source"]) == cell["metadata"]["labkit"]["stub"].rstrip("\n")
+                assert "write_this_piece(" in "".join(theirs[cell_id]["source"])
+            else:
+                assert theirs[cell_id]["source"] == cell["source"], (path.name, cell_id)
+    assert built >= 6
+
+
+def test_a_build_cell_without_a_stub_is_refused(tmp_path: Path, monkeypatch, capsys):
+    course = tmp_path / "course"
+    for name in ("exercises", "solutions", "notebooks"):
+        shutil.copytree(ROOT / name, course / name)
+    path = course / "notebooks" / "02_zero3_from_scratch.ipynb"
+    nb = json.loads(path.read_text())
+    cell = next(c for c in nb["cells"] if "build" in c["metadata"].get("tags", []))
+    del cell["metadata"]["labkit"]["stub"]
+    path.write_text(json.dumps(nb))
+    monkeypatch.setenv("LABKIT_COURSE", str(course))
+    assert main(["release", "--student", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"build cell {cell['id']} has no stub" in err and "\n" not in err
+
+
 def test_no_answer_cell_of_the_solutions_is_anywhere_in_the_release(release: Path, tmp_path: Path):
     cells = _answer_cells()
     assert len(cells) >= 19, sorted(cells)
@@ -88,7 +156,7 @@ def test_the_release_refuses_a_course_whose_notebooks_show_an_answer(tmp_path: P
     for name in ("exercises", "solutions", "notebooks"):
         shutil.copytree(ROOT / name, course / name)
     answer = _answer_cells()["01_memory.ipynb answer-fit"]
-    (course / "notebooks" / "README.md").write_text("\n".join(answer))
+    (course / "notebooks" / "README.md").write_text(answer[-1])  # one line of it is enough
     monkeypatch.setenv("LABKIT_COURSE", str(course))
     assert main(["release", "--student", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
@@ -201,3 +269,43 @@ def hsdp_groups(world_size, group_size):
 def test_a_common_mistake_fails_its_public_check(exercise_id, cell, source, failed):
     ns = _namespace(_solutions()[exercise_id], {cell: source})
     assert [not ok for ok in _public_results(exercise_id, ns)] == failed
+
+
+# ----------------------------------------------------------------------- the student copy of 02, executed
+
+
+def _execute_from_release(release: Path, path: Path, monkeypatch) -> list[str]:
+    """Run `path` with papermill, the kernel importing the release's labkit; each code cell's printed text."""
+    import nbformat
+    import papermill as pm
+
+    monkeypatch.setenv("PYTHONPATH", str(release))
+    out = path.with_suffix(".executed.ipynb")
+    pm.execute_notebook(str(path), str(out), kernel_name="labkit", cwd=str(path.parent), progress_bar=False,
+                        execution_timeout=300)  # fmt: skip
+    cells = nbformat.read(out, as_version=4).cells
+    return ["".join(o.get("text", "") for o in c.outputs) for c in cells if c.cell_type == "code"]
+
+
+def test_the_student_02_runs_on_its_stubs_and_passes_once_the_pieces_are_written(
+    release: Path, tmp_path: Path, monkeypatch
+):
+    name = "02_zero3_from_scratch.ipynb"
+    copy = tmp_path / "notebooks" / name
+    copy.parent.mkdir()
+    shutil.copy(release / "notebooks" / name, copy)
+    stubbed = "\n".join(_execute_from_release(release, copy, monkeypatch))
+    verdicts = re.findall(r"^([✓✗]) (\w+): (.*)$", stubbed, re.M)
+    assert len(verdicts) == 6 and all(v[0] == "✗" and "write this piece: " in v[2] for v in verdicts), stubbed
+    assert "Not yet: the runs below train your six pieces" in stubbed
+    # the learner writes each piece: here, the instructor's filled cells typed into the stubs
+    filled = {c["id"]: c["source"] for c in json.loads((ROOT / "notebooks" / name).read_text())["cells"]}
+    nb = json.loads(copy.read_text())
+    for cell in nb["cells"]:
+        if "build" in cell["metadata"].get("tags", []):
+            cell["source"] = filled[cell["id"]]
+    copy.write_text(json.dumps(nb))
+    written = "\n".join(_execute_from_release(release, copy, monkeypatch))
+    verdicts = re.findall(r"^([✓✗]) (\w+): ", written, re.M)
+    assert [v[0] for v in verdicts] == ["✓"] * 6, written
+    assert float(re.search(r"largest relative difference: (\S+)", written).group(1)) < 1e-4

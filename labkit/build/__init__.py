@@ -3,7 +3,8 @@
     scaffold.py   Unit, Pieces, attach (the four moments as real hooks), Learner (an engine for the loop)
     checks.py     one check per build step, on real ranks, against the single-process oracle
     verdicts.py   from what the ranks measured to the sentence: what is right, or the mistake it names
-    reference.py  the filled pieces: notebook 02's `build` cells, verbatim
+    cells.py      the pieces notebook 02's `build` cells define (filled in the instructor's copy)
+    stubs.py      what an unwritten build cell raises, and the sentence a check says of it
 
 labkit.zero (the lab's own ZeRO-3) never imports this package.
 """

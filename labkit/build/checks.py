@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit.build.scaffold import Learner, Pieces, attach
+from labkit.build.stubs import unwritten
 from labkit.build.verdicts import CheckResult, verdict
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
@@ -113,7 +114,7 @@ def run_checks(
             )
             ranks = None
         except labkit.LaunchError as e:
-            sentence = f"the ranks failed before reporting ({str(e).splitlines()[0]})"
+            sentence = unwritten(e) or f"the ranks failed before reporting ({str(e).splitlines()[0]})"
             ranks = None
         for j, i in enumerate(runnable):
             step = cases[i][0]
@@ -161,8 +162,8 @@ class _LearnerError(Exception):
 
 
 def _is_learners(filename: str) -> bool:
-    """A frame of the learner's code: not torch's, not labkit's (but the reference pieces are theirs)."""
-    theirs = filename.endswith("reference.py") or not filename.startswith(_LIBRARY_DIRS)
+    """A frame of the learner's code: not torch's, not labkit's."""
+    theirs = not filename.startswith(_LIBRARY_DIRS)
     return theirs and not filename.startswith("<frozen")
 
 
@@ -328,15 +329,15 @@ def _rank_reduce_scatter(pieces: Pieces, model: str, steps: int) -> dict:
     want = _oracle_grads(model, info.device)
     no_grad, full_grads, dots = [], 0, torch.zeros(3, dtype=torch.float64)
     for unit in units:
-        for p, s in zip(unit.params, unit.shards, strict=True):
-            name = names[id(p)]
-            if p.grad is not None:
-                full_grads += p.grad.numel() * p.grad.element_size()
+        for param, piece in zip(unit.params, unit.shards, strict=True):
+            name = names[id(param)]
+            if param.grad is not None:
+                full_grads += param.grad.numel() * param.grad.element_size()
             expect = shard_dim0(want[name], rank, n).double()
-            if s.grad is None or s.grad.shape != expect.shape:
+            if piece.grad is None or piece.grad.shape != expect.shape:
                 no_grad.append(name)
                 continue
-            g = s.grad.double()
+            g = piece.grad.double()
             dots += torch.stack(
                 [(g * expect).sum(), (expect * expect).sum(), ((g - expect) ** 2).sum()]
             ).cpu()

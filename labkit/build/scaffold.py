@@ -98,10 +98,10 @@ def attach(model: nn.Module, pieces: Pieces, group=None, trace: list | None = No
     for before, after in zip(units, units[1:], strict=False):
         before.next, after.prev = after, before
     for unit in units:
-        for p in unit.params:
-            unit.shards.append(pieces.shard(p.detach(), rank, n).detach())
+        for param in unit.params:
+            unit.shards.append(pieces.shard(param.detach(), rank, n).detach())
             if pieces.before_forward is not None:  # else nothing would gather it back
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     _Moments(pieces, units, trace).install()
     return units
 
@@ -125,8 +125,8 @@ class _Moments:
         for unit in self.units:
             unit.module.register_forward_pre_hook(lambda _m, _args, unit=unit: self.before_forward(unit))
             unit.module.register_forward_hook(lambda _m, _args, out, unit=unit: self.after_forward(unit, out))
-            for p in unit.params:
-                p.register_post_accumulate_grad_hook(lambda _p, unit=unit: self.grad_ready(unit))
+            for param in unit.params:
+                param.register_post_accumulate_grad_hook(lambda _p, unit=unit: self.grad_ready(unit))
 
     def fire(self, moment: str, unit: Unit) -> None:
         if self.trace is not None:

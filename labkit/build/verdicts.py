@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from labkit.budget import collective_wire_bytes, padded_numel
+from labkit.build.stubs import unwritten
 from labkit.model import build_model
 
 LOSS_RTOL = 1e-4  # float32: the engines' contract with single
@@ -72,6 +73,8 @@ def verdict(step: str, ranks: list[dict], model: str, n: int, steps: int) -> Che
 def error_sentence(rank: int, r: dict) -> str:
     """The sentence for code that raised: where, what, and (for the model's own ops) which weight was absent."""
     where, text = r["where"], r["error"]
+    if (stub := unwritten(text)) is not None:
+        return stub
     unit = where.rsplit("(", 1)[-1].rstrip(")") if "after " in where else "a unit"
     if not r.get("line"):  # raised in the model's ops, not in the learner's code: its weights were absent
         if where.startswith("backward") and r.get("held", {}).get(unit):

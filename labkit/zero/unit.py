@@ -145,9 +145,9 @@ class ShardedUnit:
         if self.state is ShardedState.UNSHARDED:
             return
         self._assert_in_states("finish_gather()", ShardedState.GATHERING, hint="call start_gather() first")
-        work, recv = self._gather
-        if work is not None:
-            work.wait()
+        handle, recv = self._gather
+        if handle is not None:
+            handle.wait()
         by_rank = recv.view(self.world_size, self.chunk_numel)
         for sp in self.params:
             sp.full.untyped_storage().resize_(sp.full.numel() * sp.full.element_size())
@@ -208,9 +208,9 @@ class ShardedUnit:
                 f"finish_reduce_scatter() on unit {self.name}, which has no reduce-scatter in flight; "
                 "call start_reduce_scatter() first"
             )
-        work, _send = self._reduce_scatter
-        if work is not None:
-            work.wait()
+        handle, _send = self._reduce_scatter
+        if handle is not None:
+            handle.wait()
         if self.replicas > 1:  # HSDP: after the reduce-scatter in the shard group, across the replicas
             comm.all_reduce(self.grad_shard, self.replicate_group)
         self.grad_shard.div_(self.world_size * self.replicas)

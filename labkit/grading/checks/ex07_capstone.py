@@ -9,6 +9,11 @@ reference itself: `single` trained in this process (losses, gradients), the ring
 table of `labkit.budget` over the padded parameters (bytes, state), and each unit's padded size (what
 must be gathered before a block computes).
 
+What makes it ZeRO-3 is measured too, not only what it computes: around each moment the probe weighs the full
+weights a unit holds (its parameters' storages and whatever its `pending` keeps) and its full gradients. A
+unit whose `after_forward` frees nothing trains to the same losses over the same bytes, yet holds the whole
+model from its forward to its backward; that costs it the memory check.
+
 Why the gradients and not only the losses: AdamW's update is invariant to a constant scale of the gradient
 (but for eps), so a reduce-scatter that forgets to divide by n trains to the same losses (measured: 3x the
 gradients moves tiny_uneven's first 5 losses by under 5e-7, relative). Its gradient shards are n x the mean.
@@ -27,7 +32,7 @@ from labkit.grading.checks import Check, Exercise, answer, launch_timeout, rng, 
 RANKS = 3
 STEPS = 3
 LAUNCH_TIMEOUT_S = 120.0
-RANKS_LIMIT_S = 150.0  # the four checks share one training run
+RANKS_LIMIT_S = 150.0  # the six checks share one training run
 LOSS_REL_TOL = 1e-4
 GRAD_REL_TOL = 1e-4  # of the largest |gradient| of the parameter, float32 sums in another order
 PIECES = (
@@ -126,13 +131,97 @@ class _FirstGrads:
         }
 
 
+def _storage_bytes(obj, seen: set) -> int:
+    """Bytes of the tensor storages in `obj` (a tensor, or tuples / lists / dicts of them), each counted once."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = storage.data_ptr(), storage.nbytes()
+        if key in seen or not key[1]:
+            return 0
+        seen.add(key)
+        return key[1]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_storage_bytes(item, seen) for item in obj)
+    return 0
+
+
+def held_bytes(unit) -> int:
+    """Full-weight bytes `unit` holds now: its parameters' storages and the tensors kept in `unit.pending`."""
+    seen: set = set()
+    return _storage_bytes(list(unit.params), seen) + _storage_bytes(unit.pending, seen)
+
+
+class _Watch:
+    """The student's moments, weighed as they return: what each unit still holds after its forward and
+    after its gradients are reduced, and the most the units hold together while the model's forward runs.
+    Each step overwrites the last: the judge reads a steady step."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+        self.after_forward: dict[str, int] = {}
+        self.after_grad: dict[str, dict] = {}
+        self.peak = {"bytes": 0, "unit": ""}
+        self.units: list = []
+
+    def wrapped(self):
+        """The pieces with three moments weighed (the other fields as the student wrote them)."""
+        p = self.pieces
+        moments = {
+            "before_forward": self._before_forward,
+            "after_forward": self._after_forward,
+            "after_grad": self._after_grad,
+        }
+        return dataclasses.replace(
+            p,
+            **{
+                name: functools.partial(watch, getattr(p, name))
+                for name, watch in moments.items()
+                if getattr(p, name) is not None
+            },
+        )
+
+    def _before_forward(self, moment, unit) -> None:
+        if unit.prev is None:  # the root: the model's forward starts
+            self.units = [unit]
+            while self.units[-1].next is not None:
+                self.units.append(self.units[-1].next)
+            self.peak = {"bytes": 0, "unit": ""}
+        moment(unit)
+        total = sum(held_bytes(u) for u in self.units)
+        if total > self.peak["bytes"]:
+            self.peak = {"bytes": total, "unit": unit.name}
+
+    def _after_forward(self, moment, unit) -> None:
+        moment(unit)
+        self.after_forward[unit.name] = held_bytes(unit)
+
+    def _after_grad(self, moment, unit) -> None:
+        moment(unit)
+        full_grads = sum(p.grad.untyped_storage().nbytes() for p in unit.params if p.grad is not None)
+        shard_grads = sum(
+            s.grad.numel() * s.grad.element_size()
+            for s in unit.shards
+            if s.grad is not None and tuple(s.grad.shape) == tuple(s.shape)
+        )
+        self.after_grad[unit.name] = {
+            "weights": held_bytes(unit),
+            "grads": full_grads,
+            "shard_grads": shard_grads,
+        }
+
+
 def _rank(pieces, seed: int) -> dict:
     """On each rank: train the student's pieces with the lab's loop and keep what the judges need."""
     from labkit.build.scaffold import Learner
     from labkit.engines import loop
 
     recorder = _FirstGrads(pieces.after_grad)
-    out = loop.train_rank(Learner(dataclasses.replace(pieces, after_grad=recorder)), run_config(seed))
+    watch = _Watch(dataclasses.replace(pieces, after_grad=recorder))
+    out = loop.train_rank(Learner(watch.wrapped()), run_config(seed))
     last = STEPS - 1
     order = [
         [e["kind"], e["name"], e["start_s"]]
@@ -152,6 +241,7 @@ def _rank(pieces, seed: int) -> dict:
             [c["payload_bytes"], c["async_op"]] for c in out["collective_calls"] if c["kind"] == "all_gather"
         ],
         "order": order,
+        "memory": {"after_forward": watch.after_forward, "after_grad": watch.after_grad, "peak": watch.peak},
     }
 
 
@@ -159,7 +249,7 @@ _last_launch: dict = {}
 
 
 def _launch(ns: dict, seed: int) -> list[dict]:
-    """One training run serves the four probes: the result (or failure) is kept for the same answers."""
+    """One training run serves the six probes: the result (or failure) is kept for the same answers."""
     from labkit.build.scaffold import Pieces
 
     fns = tuple(answer(ns, name) for name in PIECES)
@@ -196,6 +286,10 @@ def _bytes_probe(ns: dict, seed: int) -> list:
 
 def _state_probe(ns: dict, seed: int) -> list:
     return [r["state_bytes"] for r in _launch(ns, seed)]
+
+
+def _memory_probe(ns: dict, seed: int) -> list:
+    return [r["memory"] for r in _launch(ns, seed)]
 
 
 def _prefetch_probe(ns: dict, seed: int) -> list:
@@ -296,6 +390,12 @@ def expected_wire_bytes(seed: int) -> dict[str, int]:
     }
 
 
+def expected_calls(seed: int) -> dict[str, int]:
+    """Per rank per step: one packed all-gather per unit in forward and one in backward, one reduce-scatter."""
+    units = len(_shapes(seed))
+    return {"all_gather": 2 * units, "reduce_scatter": units}
+
+
 def _bytes_judge(got: list, seed: int) -> tuple[float, str]:
     want = expected_wire_bytes(seed)
     payload = _padded_numel(seed) * 4
@@ -313,10 +413,25 @@ def _bytes_judge(got: list, seed: int) -> tuple[float, str]:
                     f"rank {rank}: {kind} sent {seen:,} B in a step, the formula {formula[kind]}",
                 )
             )
-        for other in sorted(set(comm) - set(want)):  # a failing case each: nothing else earns anything
+        for kind, calls in expected_calls(seed).items():
+            seen = comm.get(kind, {}).get("calls", 0)
             cases.append(
-                (False, f"rank {rank} also ran {other}: ZeRO-3 needs only all-gathers and reduce-scatters")
+                (
+                    seen == calls,
+                    f"rank {rank}: {seen} {kind} calls in a step, want {calls}: one per unit "
+                    f"{'in forward and one in backward' if kind == 'all_gather' else 'after its backward'}, "
+                    "every parameter of the unit packed into it",
+                )
             )
+        others = sorted(set(comm) - set(want))  # a failing case each, said first: nothing else earns anything
+        cases[:0] = [
+            (
+                False,
+                f"rank {rank} also ran {other}: ZeRO-3 needs only all-gathers and reduce-scatters (a "
+                "reduce-scatter leaves each rank only its rows of the sum, at half an all-reduce's bytes)",
+            )
+            for other in others
+        ]
     return tally(cases)
 
 
@@ -349,6 +464,80 @@ def _state_judge(got: list, seed: int) -> tuple[float, str]:
             }[key]
             cases.append(
                 (seen in allowed, f"rank {rank}: {key} {seen} B after a step, want {bytes_:,} B ({hint})")
+            )
+    return tally(cases)
+
+
+def _numel(seed: int, unit: str) -> int:
+    """Elements of one unit's full parameters, unpadded: what `load` puts into them."""
+    return sum(math.prod(shape) for shape, _ in _shapes(seed)[unit])
+
+
+def full_weight_bound(seed: int) -> int:
+    """Most full-weight bytes a rank may hold while the model's forward runs: the root's padded weights
+    (its forward is the whole model's), the block computing and the block whose gather is prefetched."""
+    blocks = [name for name in _shapes(seed) if name != "root"]
+    per_block = max(_padded_numel(seed, name) for name in blocks)
+    return 4 * (_padded_numel(seed, "root") + 2 * per_block)
+
+
+def _freed_judge(got: list, seed: int) -> tuple[float, str]:
+    units = list(_shapes(seed))
+    bound = full_weight_bound(seed)
+    least = 4 * (_numel(seed, "root") + _numel(seed, "blocks.0"))
+    cases = []
+    for rank, seen in enumerate(got):
+        for unit in units:
+            held = seen["after_forward"].get(unit)
+            cases.append(
+                (
+                    held == 0,
+                    f"rank {rank}: {unit}'s after_forward never returned"
+                    if held is None
+                    else f"rank {rank}: {unit} still held {held:,} B of full weights after its forward "
+                    "returned: free them in after_forward (from a unit's forward to its backward ZeRO-3 "
+                    "keeps only the shards)",
+                )
+            )
+        peak = seen["peak"]
+        if int(peak["bytes"]) < least:  # no run gathers less: the weights never reached unit.params
+            return 0.0, (
+                f"rank {rank}: at most {int(peak['bytes']):,} B of full weights were held during the forward, "
+                f"less than the root's and one block's own ({least:,} B): gather into unit.params"
+            )
+        cases.append(
+            (
+                int(peak["bytes"]) <= bound,
+                f"rank {rank}: {int(peak['bytes']):,} B of full weights were held at once during the forward "
+                f"(after {peak['unit']}'s before_forward), more than the root, the block computing and the "
+                f"one prefetched ({bound:,} B): gather one unit ahead, not the model",
+            )
+        )
+    return tally(cases)
+
+
+def _sharded_grads_judge(got: list, seed: int) -> tuple[float, str]:
+    cases = []
+    for rank, seen in enumerate(got):
+        for unit in _shapes(seed):
+            done = seen["after_grad"].get(unit)
+            if done is None:
+                cases.append((False, f"rank {rank}: {unit}'s after_grad never ran"))
+                continue
+            problems = []
+            if done["grads"]:
+                problems.append(
+                    f"kept {done['grads']:,} B of full gradients (set each p.grad to None once reduced)"
+                )
+            if done["weights"]:
+                problems.append(f"held {done['weights']:,} B of full weights (free them in after_grad)")
+            want = 4 * _padded_numel(seed, unit) // RANKS
+            if done["shard_grads"] != want:
+                problems.append(
+                    f"left {done['shard_grads']:,} B of gradient shards of their shards' shapes, want {want:,} B"
+                )
+            cases.append(
+                (not problems, f"rank {rank}: after its reduce-scatter {unit} {'; '.join(problems)}")
             )
     return tally(cases)
 
@@ -392,7 +581,7 @@ def _prefetch_judge(got: list, seed: int) -> tuple[float, str]:
     return tally(cases)
 
 
-_SHARED = {"answers": PIECES, "limit_s": RANKS_LIMIT_S, "group": "ranks"}  # one training run serves all four
+_SHARED = {"answers": PIECES, "limit_s": RANKS_LIMIT_S, "group": "ranks"}  # one training run serves all six
 
 EXERCISE = Exercise(
     "ex07_capstone",
@@ -405,7 +594,27 @@ EXERCISE = Exercise(
             _training_judge,
             **_SHARED,
         ),
-        Check("wire bytes per collective against the ring formula", 2, _bytes_probe, _bytes_judge, **_SHARED),
+        Check(
+            "wire bytes and calls per collective: a packed reduce-scatter, against the ring formula",
+            2,
+            _bytes_probe,
+            _bytes_judge,
+            **_SHARED,
+        ),
+        Check(
+            "full weights freed after each unit's forward: only the shards between forward and backward",
+            3,
+            _memory_probe,
+            _freed_judge,
+            **_SHARED,
+        ),
+        Check(
+            "gradients end sharded: no full gradient or weight left after a unit's reduce-scatter",
+            2,
+            _memory_probe,
+            _sharded_grads_judge,
+            **_SHARED,
+        ),
         Check(
             "state bytes per rank: 16 B/param/n over the padded shards",
             2,
@@ -421,5 +630,5 @@ EXERCISE = Exercise(
             **_SHARED,
         ),
     ),
-    forbidden=("labkit.zero", "labkit.build.reference", "labkit.build.checks", "labkit.engines.scratch"),
+    forbidden=("labkit.zero", "labkit.build.cells", "labkit.build.checks", "labkit.engines.scratch"),
 )
