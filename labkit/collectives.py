@@ -5,12 +5,18 @@ hang tracker of `labkit.cluster` (in every rank, for its whole life), the comm p
 (bytes, timeline, emulated link) and grading checks that record which collectives an answer calls. A patch
 replaces each function on both `torch.distributed` and `distributed_c10d` (torch's own functions call one
 another through the latter) with a wrapper over whatever was there, so patches stack: the tracker is
-installed first, the probe over it, a check over both, and the last installed runs first.
+installed first, the probe over it, a check over both, and the last installed runs first. A library that
+took a collective by reference before the patch (DeepSpeed's comm backend keeps `all_gather_into_tensor`
+and `reduce_scatter_tensor` from when it was built) is rebound too, and given its function back on removal.
+
+torch 2.13 names the tensor collectives `all_gather_single` / `reduce_scatter_single`; on an older torch
+(a hub's 2.11 or 2.12) `provide_single_names` gives those names to the functions they replace.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -59,6 +65,32 @@ COLLECTIVES: dict[str, Collective] = {
     "irecv": Collective("recv", "tensor", counted=False),
 }
 COUNTED = tuple(name for name, c in COLLECTIVES.items() if c.counted)  # what the comm probe wraps
+SINGLE_NAMES = {
+    "all_gather_single": "all_gather_into_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+}
+
+
+def provide_single_names() -> list[str]:
+    """Give torch 2.13's names to the functions they replace where this torch lacks them (2.11, 2.12), on
+    `torch.distributed` and `distributed_c10d`; the names given (none on 2.13). Same arguments, same work."""
+    given = []
+    for new, old in SINGLE_NAMES.items():
+        if not hasattr(distributed_c10d, new) and hasattr(distributed_c10d, old):
+            setattr(distributed_c10d, new, getattr(distributed_c10d, old))
+            setattr(dist, new, getattr(distributed_c10d, old))
+            given.append(new)
+    return given
+
+
+def held_by_reference() -> list[tuple[object, str]]:
+    """(object, attribute) where a library keeps a collective function it took by reference: DeepSpeed's
+    torch comm backend (`deepspeed.comm.comm.cdb`, built once per process) holds `all_gather_function`
+    and `reduce_scatter_function` (deepspeed/comm/torch.py). Nothing is imported to look."""
+    backend = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
+    attrs = ("all_gather_function", "reduce_scatter_function")
+    return [(backend, a) for a in attrs if backend is not None and callable(getattr(backend, a, None))]
+
 
 Wrap = Callable[[str, Callable], Callable]  # (function name, the function it replaces) -> the wrapper
 
@@ -78,6 +110,7 @@ class Patch:
         self.outermost = outermost
         self._saved: dict[str, tuple[Callable, Callable | None]] = {}  # name -> (c10d's, torch.distributed's)
         self._installed: dict[str, Callable] = {}
+        self._rebound: list[tuple[object, str, Callable]] = []  # (holder, attribute, what it held)
         self._inside = threading.local()  # per thread: inside a call of this patch already
 
     @property
@@ -94,6 +127,12 @@ class Patch:
             setattr(distributed_c10d, name, self._installed[name])
             if hasattr(dist, name):
                 setattr(dist, name, self._installed[name])
+        for holder, attr in held_by_reference():
+            held = getattr(holder, attr)
+            name = next((n for n, fns in self._saved.items() if held in fns), None)
+            if name is not None:
+                setattr(holder, attr, self._installed[name])
+                self._rebound.append((holder, attr, held))
         return self
 
     def remove(self) -> None:
@@ -107,8 +146,15 @@ class Patch:
             setattr(distributed_c10d, name, c10d_fn)
             if dist_fn is not None:
                 setattr(dist, name, dist_fn)
+        for holder, attr, held in self._rebound:
+            setattr(holder, attr, held)
+        for holder, attr in held_by_reference():  # a backend built while installed took a wrapper of ours
+            name = next((n for n, fn in self._installed.items() if getattr(holder, attr) is fn), None)
+            if name is not None:
+                setattr(holder, attr, self._saved[name][1] or self._saved[name][0])
         self._saved.clear()
         self._installed.clear()
+        self._rebound.clear()
 
     def __enter__(self) -> Patch:
         return self.install()
@@ -132,3 +178,6 @@ class Patch:
                 inside.active = False
 
         return functools.update_wrapper(wrapper, current)  # its name, doc and `__wrapped__` = `current`
+
+
+PROVIDED = provide_single_names()  # on import, in the notebook's kernel and in every rank (labkit.cluster)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -323,6 +324,25 @@ def _wait_for_builder(name: str, ext_dir: str, limit_s: float) -> OpStatus:
     return status
 
 
+def deepspeed_arch_list(torch_list: str | None, capabilities: list[tuple[int, int]]) -> str:
+    """The `TORCH_CUDA_ARCH_LIST` DeepSpeed's CUDA builder can parse: each entry "X.Y" or "X.Y+PTX".
+
+    DeepSpeed reads every entry as integers (`int("0a")` fails on Hopper images' "9.0a"), so an
+    arch-specific suffix is dropped (9.0a -> 9.0); with no list set, the visible GPUs' (major, minor)."""
+    entries = (torch_list or "").replace(",", ";").replace(" ", ";").split(";")
+    if not any(e.strip() for e in entries):
+        entries = [f"{major}.{minor}" for major, minor in capabilities]
+    archs: dict[tuple[int, int], bool] = {}
+    for entry in filter(None, (e.strip() for e in entries)):
+        cc, ptx = entry.removesuffix("+PTX"), entry.endswith("+PTX")
+        found = re.fullmatch(r"(\d+)\.(\d+)[a-z]?", cc)
+        if found is None:
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {entry!r} is not a compute capability like 9.0")
+        key = int(found[1]), int(found[2])
+        archs[key] = archs.get(key, False) or ptx
+    return ";".join(f"{ma}.{mi}{'+PTX' if ptx else ''}" for (ma, mi), ptx in sorted(archs.items()))
+
+
 def build_all(verbose: bool = False, accelerator_name: str = "cpu") -> list[dict]:
     """Build (or confirm) the ops `plan_ops` plans for `accelerator_name` with that DeepSpeed accelerator.
 
@@ -331,6 +351,13 @@ def build_all(verbose: bool = False, accelerator_name: str = "cpu") -> list[dict
     build or load it, s). Raises RuntimeError naming the op when a build fails.
     """
     os.environ["DS_ACCELERATOR"] = accelerator_name  # that accelerator's builders, whatever GPUs exist
+    if accelerator_name == "cuda":
+        import torch
+
+        gpus = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        archs = deepspeed_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"), gpus)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+        print(f"  for compute capabilities {archs} (TORCH_CUDA_ARCH_LIST)")
     ext_dir = extensions_dir(accelerator_name)
     os.environ["TORCH_EXTENSIONS_DIR"] = ext_dir  # where torch's load() builds them
     from deepspeed.accelerator import get_accelerator
@@ -409,7 +436,7 @@ def _build_or_say(accelerator_name: str, verbose: bool) -> int:
     start = time.perf_counter()
     try:
         build_all(verbose, accelerator_name)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:  # a failed build, or a TORCH_CUDA_ARCH_LIST it cannot use
         print(f"labkit.prebuild: {e}", file=sys.stderr)
         return 1
     print(f"DeepSpeed {accelerator_name.upper()} ops ready ({time.perf_counter() - start:.1f} s)")

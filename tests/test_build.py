@@ -234,3 +234,10 @@ def test_a_step_not_written_yet_says_so_without_a_launch(capsys):
     assert capsys.readouterr().out.strip() == str(result)
     with pytest.raises(ValueError, match="unknown build step"):
         checks.run_checks([("sharding", PIECES)])
+
+
+def test_every_check_passes_the_filled_pieces_on_one_rank():
+    """A 1-GPU hub runs the build-along at world size 1: one shard per parameter, nothing padded."""
+    results = checks.run_checks([(step, PIECES) for step in checks.STEPS], 1, MODEL, quiet=True)
+    assert [r.ok for r in results] == [True] * len(checks.STEPS), [str(r) for r in results]
+    assert "cut into 1 shard of ceil(d0/1) rows" in str(results[0]) and "0 of them padding" in str(results[0])

@@ -300,3 +300,29 @@ def test_a_tensor_off_the_cpu_sent_to_spawned_ranks_is_refused_in_one_sentence()
     ones = torch.ones(2)
     fn, args, kwargs = cloudpickle.loads(cluster.dumps_for_ranks((lambda k: ones.sum() * k, (3,), {})))
     assert fn(*args, **kwargs) == 6
+
+
+@pytest.mark.parametrize(
+    "env, gpus, expected",
+    [
+        ("9.0a", [], "9.0"),  # a Hopper image's arch-specific entry: DeepSpeed's int() refused "0a"
+        ("8.0 9.0a;7.5+PTX", [], "7.5+PTX;8.0;9.0"),
+        ("9.0;9.0a+PTX", [], "9.0+PTX"),
+        (None, [(9, 0), (9, 0)], "9.0"),  # no list: the visible GPUs'
+        ("", [(8, 0), (9, 0)], "8.0;9.0"),
+    ],
+)
+def test_the_cuda_arch_list_is_one_deepspeed_parses(env, gpus, expected):
+    from labkit.prebuild import deepspeed_arch_list
+
+    assert deepspeed_arch_list(env, gpus) == expected
+    for entry in expected.split(";"):  # what DeepSpeed's CUDAOpBuilder.compute_capability_args does with it
+        major, minor = entry.removesuffix("+PTX").split(".")
+        int(major), int(minor)
+
+
+def test_a_cuda_arch_list_entry_that_is_no_capability_is_refused_in_one_sentence():
+    from labkit.prebuild import deepspeed_arch_list
+
+    with pytest.raises(ValueError, match="^TORCH_CUDA_ARCH_LIST entry 'sm_90' is not a compute capability"):
+        deepspeed_arch_list("sm_90", [])

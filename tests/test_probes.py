@@ -155,6 +155,51 @@ def test_patches_stack_tracker_then_probe_then_a_watcher_and_come_off_in_reverse
         assert r["tracker_status"].startswith("returned from all_reduce (collective #")  # it saw every call
 
 
+def _deepspeed_backend_built_before_the_probe() -> dict:
+    """DeepSpeed's comm backend built before the probe, holding torch's function by reference as on torch
+    2.11 (where `all_gather_into_tensor` does its work itself instead of calling the module's new name)."""
+    import deepspeed
+    import deepspeed.comm as dscomm
+    from deepspeed.comm import comm as ds_comm_module
+    from torch.distributed import distributed_c10d
+
+    deepspeed.init_distributed(dist_backend="gloo")  # the process group exists: DeepSpeed reuses it
+    backend = ds_comm_module.cdb
+    backend.all_gather_function = distributed_c10d.all_gather_single  # a reference taken before the probe
+    held = backend.all_gather_function
+    probes = Probes(dist.get_rank(), torch.device("cpu"))
+    with probes:
+        rebound = backend.all_gather_function is not held
+        out = torch.empty(2 * 1000)
+        dscomm.all_gather_into_tensor(out, torch.full((1000,), float(dist.get_rank())))
+    return {
+        "rebound": rebound,
+        "restored": backend.all_gather_function is held,
+        "summary": probes.comm.summary(),
+        "gathered": out[::1000].tolist(),
+    }
+
+
+def test_a_deepspeed_backend_built_before_the_probe_is_still_measured():
+    for r in labkit.launch(_deepspeed_backend_built_before_the_probe, 2):
+        assert r["rebound"] and r["restored"] and r["gathered"] == [0.0, 1.0]
+        assert r["summary"]["all_gather"] == {"calls": 1, "payload_bytes": 8000, "wire_bytes": 4000}
+
+
+def test_torch_2_13_has_the_single_names_and_an_older_torch_gets_them(monkeypatch):
+    from torch.distributed import distributed_c10d
+
+    from labkit import collectives
+
+    assert collectives.PROVIDED == [] and dist.all_gather_single is distributed_c10d.all_gather_single
+    for new in collectives.SINGLE_NAMES:  # torch 2.11: no such names
+        monkeypatch.delattr(distributed_c10d, new)
+        monkeypatch.delattr(dist, new)
+    assert collectives.provide_single_names() == list(collectives.SINGLE_NAMES)
+    assert dist.all_gather_single is distributed_c10d.all_gather_into_tensor
+    assert dist.reduce_scatter_single is distributed_c10d.reduce_scatter_tensor
+
+
 LINK_GBYTES = 0.01  # 1e7 B/s
 ELEMENTS = 250_000  # 1 MB of float32; on 2 ranks an all-reduce sends 2 x 1/2 x 1 MB = 1 MB: 0.1 s on the link
 

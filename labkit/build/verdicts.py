@@ -158,13 +158,14 @@ def _shard_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | Non
 
 
 def _shard_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
-    example = next(k for k in m.shapes if m.rows(k)[0] % m.n)
+    # an example with padding when n leaves rows over in some parameter (never at n = 1: one shard, whole)
+    example = next((k for k in m.shapes if m.rows(k)[0] % m.n), next(iter(m.shapes)))
     d0, k = m.rows(example)
     per_rank = sum(b // 4 for b in m.padded_bytes.values()) // m.n
     return (
-        f"each of the {len(m.shapes)} parameters cut into {m.n} shards of ceil(d0/{m.n}) rows, each the full "
-        f"tensor's rows, zero-padded: {per_rank:,} elements per rank, {figures['padding_elements']:,} of them "
-        f"padding ({example}: {m.n} x {k} rows for {d0})"
+        f"each of the {len(m.shapes)} parameters cut into {m.n} shard{'s' * (m.n > 1)} of ceil(d0/{m.n}) rows, "
+        f"each the full tensor's rows, zero-padded: {per_rank:,} elements per rank, "
+        f"{figures['padding_elements']:,} of them padding ({example}: {m.n} x {k} rows for {d0})"
     )
 
 
@@ -333,12 +334,12 @@ def _scatter_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | N
             f"after backward {r0['missing']} shards have no .grad of the shard's shape (first: {first}): "
             "after_grad must set each shard's .grad to its rows of the mean gradient"
         )
-    if abs(figures["ratio"] * n - 1) < 1e-3:
+    if n > 1 and abs(figures["ratio"] * n - 1) < 1e-3:  # at n = 1 the mean is the sum: nothing to tell
         return (
             f"the shard grads are 1/{n} of single's: the mean was taken twice (ReduceOp.AVG already divides "
             "by n: sum, then divide once)"
         )
-    if abs(figures["ratio"] / n - 1) < 1e-3:
+    if n > 1 and abs(figures["ratio"] / n - 1) < 1e-3:
         return (
             f"the shard grads are {n} x single's: the reduce-scatter sums the ranks' gradients; divide by n "
             "for the mean"
