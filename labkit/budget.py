@@ -248,7 +248,7 @@ class PlanInputs:
         True, "free gathered weights after forward, all-gather again in backward"
     )
     prefetch: bool = _switch(True, "all-gather one layer ahead, so comm overlaps compute")
-    qwz: bool = _switch(False, "ZeRO++ (zero3): int8 forward all-gather")
+    qwz: bool = _switch(False, "ZeRO++ (zero3): int8 weight all-gathers, forward and backward")
     hpz: bool = _switch(False, "ZeRO++ (zero3): backward all-gather inside the node, from a secondary copy")
     qgz: bool = _switch(False, "ZeRO++ (zero3): int4 gradient reduce-scatter")
     quant_block_elems: int | None = _count(
@@ -588,7 +588,15 @@ def _memory_summary(p: PlanInputs, mem: Memory) -> dict:
 
 # ---- activations --------------------------------------------------------------------------------------------
 
-ACTIVATION_PARTS = ("layers", "recomputed_layer", "block_gradients", "head", "loss_gradients", "inputs")
+ACTIVATION_PARTS = (
+    "layers",
+    "recomputed_layer",
+    "block_gradients",
+    "weight_gradient",
+    "head",
+    "loss_gradients",
+    "inputs",
+)
 _INDEX_BYTES = 8  # int64 token ids, targets and positions
 _LOSS_BYTES = 4  # the lab's loss runs in fp32 (`loss_fn(logits.float(), ...)`), so do the logits' gradients
 
@@ -617,7 +625,9 @@ def activation_bytes(p: PlanInputs) -> tuple[dict[str, int], str]:
     block's input, T x h): the loss's backward (the head's saved tensors: the last block's output, ln_f's
     output and its stats, the fp32 log-softmax; and two fp32 logits gradients, T x V each), or the last
     block's backward (its gradient in and its MLP's hidden gradient, 5 T x h; with checkpointing the block
-    recomputed whole). Plus the batch's int64 ids. All zero with hidden_size=0 (not modelled).
+    recomputed whole; and the MLP's output-weight gradient, 4 h x h, computed before autograd adds it into
+    `.grad`, except under zero3/hsdp, whose unsharded layer gradients `transient_bytes` counts). Plus the
+    batch's int64 ids. All zero with hidden_size=0 (not modelled).
     """
     parts = dict.fromkeys(ACTIVATION_PARTS, 0)
     if not p.hidden_size:
@@ -631,9 +641,11 @@ def activation_bytes(p: PlanInputs) -> tuple[dict[str, int], str]:
         "head": tokens * (2 * h * e + 8 + p.vocab_size * _LOSS_BYTES),
         "loss_gradients": 2 * tokens * p.vocab_size * _LOSS_BYTES,
     }
+    in_transient = p.strategy in ("zero3", "hsdp")
     at_block = {
         "recomputed_layer": full - kept if p.activation_checkpointing else 0,
         "block_gradients": 5 * tokens * h * e,
+        "weight_gradient": 0 if in_transient else int(4 * h * h * PRECISIONS[p.precision]["grads"]),
     }
     if sum(at_loss.values()) >= sum(at_block.values()):
         return {**parts, **common, **at_loss}, "loss backward"
@@ -718,9 +730,9 @@ class Collective(NamedTuple):
 _GATHER_FORWARD = Collective("all_gather_forward", "forward all-gather of weights", "all_gather", "forward",
                              "weights", "group", quantised_by="qwz")
 _GATHER_BACKWARD = Collective("all_gather_backward", "backward all-gather of weights", "all_gather", "backward",
-                              "weights", "group")
+                              "weights", "group", quantised_by="qwz")
 _GATHER_BACKWARD_HPZ = Collective("all_gather_backward", "backward all-gather from the node's secondary copy (hpZ)",
-                                  "all_gather", "backward", "weights", "node")
+                                  "all_gather", "backward", "weights", "node", quantised_by="qwz")
 _REDUCE_SCATTER = Collective("reduce_scatter", "gradient reduce-scatter", "reduce_scatter", "backward",
                              "grads", "group", quantised_by="qgz")
 _GATHER_AFTER_STEP = Collective("all_gather_after_step", "all-gather of updated weights", "all_gather", "step",
@@ -733,6 +745,11 @@ _REPLICA_ALL_REDUCE = Collective("all_reduce", "all-reduce of gradient shards ac
 # strategy -> the collectives one rank takes part in each step, in the order they run. The options change
 # them in `traffic_terms`: reshard_after_forward=False drops the backward all-gather, hpZ swaps it for
 # _GATHER_BACKWARD_HPZ, qwZ / qgZ quantise the collectives marked `quantised_by`.
+# qwZ marks every weight all-gather, as DeepSpeed 0.19.8 does: `PartitionedParameterCoordinator.__all_gather_params`
+# passes `quantize=self.zero_quantized_weights` whatever its `forward` flag, and the hpZ gather from the secondary
+# copy quantises too (the `all_gather_coalesced` of `Init._convert_to_deepspeed_param`). The ZeRO++ paper (Wang et al. 2023, arXiv 2306.10209) counts
+# qwZ on the forward all-gather only, because there hpZ already keeps the backward one inside the node: alone,
+# qwZ halves both gathers (3 M -> 2 M cross-node, 1.5x); with hpZ and qgZ the cross-node bytes are the paper's.
 STEP_COLLECTIVES: dict[str, tuple[Collective, ...]] = {
     "ddp": (_ALL_REDUCE,),
     "zero1": (_REDUCE_SCATTER, _GATHER_AFTER_STEP),
@@ -787,8 +804,8 @@ def _span(p: PlanInputs, over: str) -> tuple[int, str, bool]:
 def traffic_terms(p: PlanInputs, machine: dict | None = None) -> list[Term]:
     """The step's collectives (STEP_COLLECTIVES) with the options applied, each priced in bytes and seconds.
 
-    reshard_after_forward=False drops the backward all-gather; hpZ moves it inside the node; qwZ / qgZ
-    quantise the forward all-gather / the reduce-scatter. With a `machine` profile each term also pays the
+    reshard_after_forward=False drops the backward all-gather; hpZ moves it inside the node; qwZ quantises
+    both weight all-gathers (DeepSpeed's code; the ZeRO++ paper names the forward one), qgZ the reduce-scatter. With a `machine` profile each term also pays the
     backend's own cost (`machine_collective_s`), and lasts the longer of that and the link's time.
     """
     bandwidth = {"inter_node": p.link_gbytes * 1e9, "intra_node": p.intra_gbytes * 1e9}

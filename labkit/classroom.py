@@ -130,6 +130,8 @@ def notebook_placement(need: NotebookNeed, gpus: int | None) -> dict[str, Any]:
         why = f"one GPU per rank: {need.ranks} of the server's {gpus}"
     elif gpus is None:
         why = "NVML could not count this server's GPUs (MIG devices?)"
+    elif gpus == 0:
+        why = "no GPU here: the ranks are CPU processes over gloo"
     else:
         why = f"{need.ranks} ranks need {need.ranks} GPUs (one each, for NCCL), the server has {gpus}"
     return {"notebook": need.notebook, "ranks": need.ranks, "device": device, "gpus_needed": need.ranks,

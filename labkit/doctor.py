@@ -132,7 +132,11 @@ def _notebook_placements() -> list[dict[str, Any]]:
     except ValueError:
         return []
     gpus = cluster.visible_gpus()
-    return [classroom.notebook_placement(need, gpus) for need in needs]
+    rows = [classroom.notebook_placement(need, gpus) for need in needs]
+    if gpus == 0:  # a CPU machine: CPU ranks are how the lab runs here, not GPUs it lacks
+        for row in rows:
+            row["why"] = f"no GPU here: the ranks are CPU processes over {cluster.CPU_BACKEND}"
+    return rows
 
 
 def _shm(problems: list[str], found, notebooks: list[dict[str, Any]]) -> None:

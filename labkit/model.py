@@ -7,6 +7,7 @@ step k whatever the world size, each rank taking an equal, contiguous slice of i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a lab model. Widths in elements, lengths in tokens."""
+    """Shape of a lab model. Widths in elements, lengths in tokens. `family`: "gpt" (the lab's own, below)
+    or a Hugging Face one ("hf-gpt2", "hf-llama": `labkit.hf`, the same widths in its config)."""
 
     vocab_size: int
     d_model: int
@@ -24,6 +26,7 @@ class ModelConfig:
     n_layers: int
     seq_len: int
     global_batch: int  # sequences per step, split evenly across ranks
+    family: str = "gpt"
 
     @property
     def d_mlp(self) -> int:
@@ -44,6 +47,15 @@ CONFIGS: dict[str, ModelConfig] = {
     "tiny_deep": ModelConfig(vocab_size=192, d_model=96, n_heads=4, n_layers=16, seq_len=48, global_batch=12),
     # For benchmarks: about 14M parameters.
     "small": ModelConfig(vocab_size=4096, d_model=384, n_heads=6, n_layers=6, seq_len=96, global_batch=12),
+    # Hugging Face Transformers models (labkit.hf), random weights from a config: GPT-2 ties its head to
+    # the token embedding; Llama has RMSNorm, rotary buffers, grouped-query attention and an untied head.
+    # Uneven against 3 and 4 ranks on purpose (vocabulary 101, context 17).
+    "hf-gpt2": ModelConfig(
+        vocab_size=101, d_model=48, n_heads=4, n_layers=3, seq_len=17, global_batch=12, family="hf-gpt2"
+    ),  # fmt: skip
+    "hf-llama": ModelConfig(
+        vocab_size=101, d_model=48, n_heads=4, n_layers=3, seq_len=17, global_batch=12, family="hf-llama"
+    ),  # fmt: skip
 }
 
 
@@ -96,9 +108,14 @@ def config(name: str) -> ModelConfig:
     return CONFIGS[name]
 
 
-def build_model(name: str = "tiny", seed: int = 0) -> GPT:
-    """A float32 GPT on the CPU whose weights depend only on (`name`, `seed`)."""
+def build_model(name: str = "tiny", seed: int = 0) -> nn.Module:
+    """A float32 model on the CPU whose weights depend only on (`name`, `seed`): the lab's GPT, or a Hugging
+    Face model (`labkit.hf.HFCausalLM`) for the hf-* names. Either maps tokens to logits."""
     cfg = config(name)
+    if cfg.family != "gpt":
+        from labkit.hf import build_hf
+
+        return build_hf(cfg, seed)
     gen = torch.Generator().manual_seed(seed)
     model = GPT(cfg)
     with torch.no_grad():
@@ -110,6 +127,13 @@ def build_model(name: str = "tiny", seed: int = 0) -> GPT:
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     return model
+
+
+@functools.cache
+def block_class(name: str) -> type[nn.Module]:
+    """The class of `name`'s blocks (its units): `Block` for the lab's GPT, the decoder layer of a Hugging
+    Face model (`GPT2Block`, `LlamaDecoderLayer`)."""
+    return Block if config(name).family == "gpt" else type(build_model(name).blocks[0])
 
 
 def count_params(model: nn.Module) -> int:

@@ -1,6 +1,6 @@
 """Activation checkpointing on the engines (`options["activation_checkpointing"]`): the same losses as the
 oracle (recomputing is the same math), the same bytes per step (the sharding hooks sit outside the
-checkpointed region), a lower peak; DeepSpeed refuses it in one sentence.
+checkpointed region), a lower peak, by as much as `labkit.budget` says; DeepSpeed refuses it in one sentence.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import torch
 from engine_helpers import assert_close, reference_losses
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from labkit import budget
 from labkit.engines import fsdp2, loop, scratch, single
 from labkit.engines.activation_checkpointing import OPTION
 from labkit.engines.base import RankInfo, RunConfig
 from labkit.engines.ds_config import ACTIVATION_CHECKPOINTING_REFUSAL, ds_config
-from labkit.model import batch, build_model
+from labkit.model import batch, build_model, config, count_params
 
 AC = {OPTION: True}
 
@@ -31,6 +32,7 @@ def test_checkpointing_keeps_losses_and_bytes_and_lowers_the_peak():
         "fsdp2": ("fsdp2", base),
         "fsdp2, checkpointed": ("fsdp2", ac),
         "scratch, checkpointed, kept after forward": ("scratch", replace(ac, reshard_after_forward=False)),
+        "ddp": ("ddp", base),
         "ddp, checkpointed": ("ddp", ac),
     }
     records = dict(zip(runs, loop.run_many(list(runs.values())), strict=True))
@@ -53,6 +55,21 @@ def test_checkpointing_keeps_losses_and_bytes_and_lowers_the_peak():
     assert {k: r["wire_bytes"] for k, r in kept["comm"].items()} == scratch.predicted_wire_bytes(
         model, replace(base, reshard_after_forward=False), 2
     )
+    # DDP holds no gathered blocks: its peak minus its state is the activations alone, which labkit.budget
+    # predicts with checkpointing and without (the block inputs, the last block recomputed at its backward).
+    above = {
+        ckpt: max(records[name]["peak_mem_bytes"]) - sum(records[name]["state_bytes"].values())
+        for ckpt, name in ((False, "ddp"), (True, "ddp, checkpointed"))
+    }
+    shape = budget.model_options(config(base.model), base.world_size)
+    predicted = {
+        ckpt: budget.plan(
+            count_params(model), 2, "ddp", precision="fp32", activation_checkpointing=ckpt, **shape
+        )["activation_bytes_per_rank"]
+        for ckpt in (False, True)
+    }
+    assert above[True] / above[False] == pytest.approx(predicted[True] / predicted[False], rel=0.05)
+    assert above == pytest.approx(predicted, rel=0.01), (above, predicted)
 
 
 def test_single_checkpointed_is_the_oracle_with_wrapped_blocks():

@@ -233,6 +233,27 @@ def test_zeropp_cuts_cross_node_volume_from_3m_to_0_75m():
     assert extra == pytest.approx(2 * 30e9 / 2048 * 4 * 255 / 256, rel=1e-6)
 
 
+def test_qwz_alone_quantises_both_weight_all_gathers_as_deepspeed_does():
+    """qwZ alone cuts ZeRO-3's cross-node bytes 1.5x, not 1.2x: DeepSpeed 0.19.8 quantises every weight
+    all-gather. `PartitionedParameterCoordinator.__all_gather_params` (deepspeed/runtime/zero/
+    partitioned_param_coordinator.py) passes `quantize=self.zero_quantized_weights` for the forward and the
+    backward fetch alike (its `forward` flag only names the profiler event); the ZeRO++ paper counts qwZ on the
+    forward all-gather because there hpZ keeps the backward one inside the node."""
+    base, qwz = plan(30e9, 256), plan(30e9, 256, qwz=True)
+
+    def weight_gathers(r: dict) -> float:
+        return sum(t["wire_bytes"] for t in r["traffic_terms"] if t["collective"] == "all_gather")
+
+    assert weight_gathers(qwz) == pytest.approx(weight_gathers(base) / 2)  # int8 instead of bf16, both passes
+    by = qwz["traffic_bytes_by_collective"]
+    assert by["all_gather_backward"] == by["all_gather_forward"]
+    ratio = base["traffic_bytes_by_link"]["inter_node"] / qwz["traffic_bytes_by_link"]["inter_node"]
+    assert ratio == pytest.approx(1.5)  # 3 M -> 0.5 M + 0.5 M + 1 M
+    zpp = plan(30e9, 256, qwz=True, hpz=True, qgz=True)  # all three: still the paper's 4x across nodes
+    assert base["traffic_bytes_by_link"]["inter_node"] / zpp["traffic_bytes_by_link"]["inter_node"] == 4
+    # tests/test_deepspeed.py reads the installed DeepSpeed's source for the same fact.
+
+
 # ---- offload -------------------------------------------------------------------------------------------
 
 
@@ -653,10 +674,9 @@ def test_activation_formula_predicts_the_measured_peak(measured_activations):
     """Peak minus state on the CPU probe (live storages, labkit/probes/memory.py) against the formula.
 
     The probe sees every tensor an op returns but not the scratch an op frees inside itself (nor, on a GPU,
-    the allocator's rounding and workspaces): measured, the formula is off by 12 B (the loss's scalars)
-    without checkpointing. With it, on tiny the peak is in the last block's backward, where one layer's
-    weight gradient (4 h^2 x 4 B = 147 kB, 2.7%) waits to be accumulated: a gradient term, not an
-    activation, so the tolerance is 3%.
+    the allocator's rounding and workspaces): measured, the formula is off by 12 B (the loss's scalars).
+    With checkpointing on tiny the peak is in the last block's backward, where one layer's weight gradient
+    (4 h^2 x 4 B = 147 kB) waits to be accumulated: the formula counts it (`weight_gradient`).
     """
     cfg, measured = measured_activations
     for checkpointing, bytes_measured in measured.items():
@@ -672,7 +692,7 @@ def test_activation_formula_predicts_the_measured_peak(measured_activations):
         print(
             f"{cfg} checkpointing={checkpointing}: predicted {predicted:,} B, measured {bytes_measured:,} B"
         )
-        assert predicted == pytest.approx(bytes_measured, rel=0.03 if checkpointing else 1e-4)
+        assert predicted == pytest.approx(bytes_measured, rel=1e-4)
 
 
 def test_exposed_floor_finds_the_collectives_with_no_compute_beside_them_at_each_depth():

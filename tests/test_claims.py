@@ -3,7 +3,7 @@
 The table's rows are parsed here; every cell reference must name a cell of the committed notebook, and against
 the executed notebooks (the `executed` fixture of tests/conftest.py: the same papermill run tests/test_notebooks.py
 reads, once per notebook per session) the cell's output must match the row's pattern — or, for a `stated` row's
-markdown cell, its text.
+markdown cell, its text. The README's own figures are held to the committed benchmark results they quote.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import nbformat
 import pytest
+from test_notebooks import TYPED_FIGURE
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAIMS = ROOT / "docs" / "claims.md"
@@ -126,3 +127,20 @@ def test_each_cited_cell_shows_its_claim_in_the_executed_notebook(executed, name
         if not re.search(ref.pattern, cell_text(cell), re.M):
             missing.append(f"claim {ref.claim}: {ref.cell_id} does not show /{ref.pattern}/")
     assert not missing, "\n".join(missing)
+
+
+def test_the_readme_types_only_figures_quoted_from_the_benchmark_results():
+    """The README's figures with a unit (the notebooks' and cheat sheets' are scanned in test_notebooks.py) are
+    quotes of a committed benchmarks/results*.md, which says when and where a run measured them: each is in
+    its prose as written, or its number is a cell of its tables."""
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "benchmarks").glob("results*.md")))
+    prose = " ".join(text.split())
+    cells = {
+        c.strip() for line in text.splitlines() if line.startswith("|") for c in line.strip("|").split("|")
+    }
+    typed = [m.group(0) for m in TYPED_FIGURE.finditer((ROOT / "README.md").read_text())]
+    assert typed, "the scan finds the README's quoted benchmark figures"
+    unquoted = [f for f in typed if f not in prose and re.match(r"\d(?:[\d,.]*\d)?", f).group(0) not in cells]
+    assert not unquoted, (
+        f"README figures no benchmarks/results*.md holds (quote the file, or say it in words): {unquoted}"
+    )

@@ -124,10 +124,19 @@ def test_every_engine_through_compare_matches_single_its_bytes_and_its_own_state
     ],
 )
 def test_bad_arguments_give_one_line_naming_the_flag_and_exit_2(args, flag, capsys, monkeypatch):
-    monkeypatch.setattr("labkit.cluster.max_ranks", lambda device_type=None: 8)
+    monkeypatch.setattr("labkit.cluster.rank_limit", lambda device_type=None, limits=None: (8, "8 ranks"))
     assert main(["compare", *args]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and flag in err and "Traceback" not in err
+
+
+def test_too_many_ranks_names_the_limit_that_refuses_them(capsys, monkeypatch):
+    monkeypatch.setenv("MEM_LIMIT", "1500000000")  # a spawner's limit: 2 ranks of about 500 MiB
+    assert main(["compare", "--engines", "ddp", "--world-size", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "labkit compare: --world-size 4 but the memory limit MEM_LIMIT=1.5 GB allows 2 cpu ranks of about "
+        "500 MiB each; pass --world-size <= 2"
+    )
 
 
 def test_an_engine_without_its_module_yet_is_a_clear_error(capsys, monkeypatch):
@@ -206,7 +215,7 @@ def test_every_engine_runs_or_refuses_each_option_never_ignores_it(setting, monk
 
 
 def test_a_setting_no_engine_of_the_run_reads_is_refused_naming_its_flag(capsys, monkeypatch):
-    monkeypatch.setattr("labkit.cluster.max_ranks", lambda device_type=None: 8)
+    monkeypatch.setattr("labkit.cluster.rank_limit", lambda device_type=None, limits=None: (8, "8 ranks"))
     assert main(["compare", "--engines", "ddp", "--no-prefetch"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("labkit compare: prefetch=False (--no-prefetch): the engines of this run (ddp)")

@@ -30,11 +30,13 @@ from labkit.engines.ds_config import (
     gradient_ready_numels,
     matched_to_fsdp2,
     module_units,
+    quantized_weight_fetches,
     reduce_bucket_for_calls,
     reduce_scatters_per_step,
 )
 from labkit.model import build_model, count_params
 from labkit.probes import Probes
+from labkit.probes.memory import STEP_SCALARS
 
 TIMEOUT_S = 600  # a cold ~/.cache/torch_extensions builds DeepSpeed's CPU ops first (~3 min)
 BF16_REL = 1e-2  # bf16 compute vs the float32 oracle over 3 steps (measured below 1e-3)
@@ -127,7 +129,7 @@ def test_deepspeed_matches_single_with_each_option_on_two_ranks():
             ("optimizer", "fp32 master partition (flat)"): 4 * n_params // n,
             ("optimizer", "AdamW exp_avg"): 4 * n_params // n,
             ("optimizer", "AdamW exp_avg_sq"): 4 * n_params // n,
-            ("optimizer", "AdamW step"): 4,
+            ("optimizer", STEP_SCALARS): 4,  # one flat parameter group, one AdamW step scalar
         }, name
     # Every case's terms, from the config, equal the measured ones and sum to the probe's state bytes; the
     # optimizer offload keeps the host optimizer's fp32 gradient (4 B/param / n) between steps too.
@@ -433,3 +435,9 @@ def test_reduce_bucket_rule_counts_deepspeeds_flushes():
     assert reduce_scatters_per_step(order, 80_000) == 7
     with pytest.raises(ValueError, match="no reduce_bucket_size makes DeepSpeed reduce-scatter 100 times"):
         reduce_bucket_for_calls("tiny", 100)
+
+
+def test_qwz_quantises_every_weight_fetch_of_the_installed_deepspeed():
+    # Issue 29, item 4: `labkit.budget` prices qwZ on both weight all-gathers because DeepSpeed's fetch passes the
+    # config's flag whether it fetches for forward or for backward (read from its source: no CUDA kernel here).
+    assert quantized_weight_fetches() == ["True", "self.zero_quantized_weights"]

@@ -243,10 +243,10 @@ def test_on_this_machine_the_doctor_plans_what_it_reports(cli_json):
 # ----------------------------------------------------------------------- where each notebook's ranks run
 
 
-@pytest.mark.parametrize("gpus", [1, 8])
+@pytest.mark.parametrize("gpus", [0, 1, 8])
 def test_the_doctor_says_where_each_notebooks_ranks_run(gpus, monkeypatch):
-    """A made-up 1-GPU and 8-GPU server: NCCL needs one GPU per rank, so a notebook is on GPUs only where
-    the server has at least its ranks."""
+    """A made-up CPU-only, 1-GPU and 8-GPU server: NCCL needs one GPU per rank, so a notebook is on GPUs only
+    where the server has at least its ranks; on a machine with no GPU, CPU ranks are no shortfall."""
     monkeypatch.setattr(cluster, "visible_gpus", lambda: gpus)
     report = doctor.diagnose(smoke=False)
     needs = {n.notebook: n.ranks for n in classroom.notebook_needs()}
@@ -260,6 +260,11 @@ def test_the_doctor_says_where_each_notebooks_ranks_run(gpus, monkeypatch):
             assert (row["device"], row["why"]) == (
                 "cuda",
                 f"one GPU per rank: {ranks} of the server's {gpus}",
+            )
+        elif gpus == 0:
+            assert (row["device"], row["why"]) == (
+                "cpu",
+                "no GPU here: the ranks are CPU processes over gloo",
             )
         else:
             assert row["device"] == "cpu"

@@ -20,6 +20,7 @@ from labkit.budget import padded_flat_numel
 from labkit.engines import fsdp1, loop
 from labkit.engines.base import RankInfo, RunConfig
 from labkit.model import build_model, count_params
+from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS
 from labkit.zero.sharding import flat_layout
 
 BF16_REL = 1e-2  # bf16 compute vs the float32 oracle over 3 steps (measured 7e-5)
@@ -61,6 +62,11 @@ def assert_measured_is_planned(record: dict, cfg: RunConfig, n: int) -> None:
     # C10D"), on CUDA with `all_gather_single`; the probe sees both, from Python.
     assert {c["function"] for c in record["collective_calls"]} == {"all_gather", "reduce_scatter_single"}
     assert record["state_bytes"] == fsdp1.state_bytes_accounting(model, cfg, n)
+    # AdamW's step scalars, measured: the optimizer state beyond its two moments (each the flat shard's size)
+    # is one 4-byte `step` per tensor AdamW updates, here one per flat parameter: one per unit.
+    state = record["state_bytes"]
+    step_scalars = fsdp1.state_bytes_by_term(model, cfg, n)[STEP_SCALARS]
+    assert state["optimizer"] - 2 * state["params"] == step_scalars == STEP_SCALAR_BYTES * (blocks + 1)
 
 
 def assert_prefetch(record: dict, cfg: RunConfig, n_blocks: int) -> None:

@@ -5,6 +5,8 @@
     verdicts.py   from what the ranks measured to the sentence: what is right, or the mistake it names
     cells.py      the pieces notebook 02's `build` cells define (filled in the instructor's copy)
     stubs.py      what an unwritten build cell raises, and the sentence a check says of it
+    fsdp2_check.py      notebook 05's build check: the learner's fully_shard calls on real ranks
+    deepspeed_check.py  notebook 06's build check: the learner's ZeRO-3 config and training step
 
 labkit.zero (the lab's own ZeRO-3) never imports this package.
 """

@@ -21,6 +21,8 @@ from labkit.engines.base import RankInfo, RunConfig, adamw
 from labkit.engines.loop import to_rank_device
 from labkit.model import loss_fn
 from labkit.zero.hooks import model_units
+from labkit.zero.outputs import needing_grad
+from labkit.zero.units import UnitSpec
 
 MOMENTS = ("before_forward", "after_forward", "before_backward", "after_grad")
 
@@ -80,35 +82,40 @@ class Pieces:
     make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
 
 
-def attach(model: nn.Module, pieces: Pieces, group=None, trace: list | None = None) -> list[Unit]:
+def attach(
+    model: nn.Module, pieces: Pieces, group=None, trace: list | None = None, units: UnitSpec = None
+) -> list[Unit]:
     """Shard `model` in place with the learner's `pieces` and wire their moments; the units, root first.
 
     Run it on every rank of `group` (default: the world) inside an initialised process group. `trace`
     gets `(moment, unit.name)` appended as each moment fires, whether or not the learner wrote it.
+    `units`: the modules to shard one at a time, as `labkit.zero.ZeRO3` takes them (None: `model.blocks`;
+    `instances_of(GPT2Block)` for a Hugging Face GPT-2). The model may take keyword inputs and return any
+    mix of tensors, tuples, dicts and dataclasses.
     """
     if pieces.shard is None:
         raise ValueError("pieces.shard is None: write shard(full, rank, n) first, the build's first step")
     if not dist.is_initialized():
         raise RuntimeError("attach needs an initialised process group; run it inside labkit.launch")
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    units = [
+    made = [
         Unit(name, module, params, [], [p.shape[0] for p in params], rank, n, group)
-        for name, module, params in unit_params(model)
+        for name, module, params in unit_params(model, units)
     ]
-    for before, after in zip(units, units[1:], strict=False):
+    for before, after in zip(made, made[1:], strict=False):
         before.next, after.prev = after, before
-    for unit in units:
+    for unit in made:
         for param in unit.params:
             unit.shards.append(pieces.shard(param.detach(), rank, n).detach())
             if pieces.before_forward is not None:  # else nothing would gather it back
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-    _Moments(pieces, units, trace).install()
-    return units
+    _Moments(pieces, made, trace).install()
+    return made
 
 
-def unit_params(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
-    """(name, module, its parameters) per unit: the root (the model minus its blocks), then each block."""
-    return [(name, module, [p for _, p in params]) for name, module, params in model_units(model)]
+def unit_params(model: nn.Module, units: UnitSpec = None) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """(name, module, its parameters) per unit: the root (the model minus its units), then each unit."""
+    return [(name, module, [p for _, p in params]) for name, module, params in model_units(model, units)]
 
 
 class _Moments:
@@ -120,6 +127,7 @@ class _Moments:
         self.units = units
         self.trace = trace
         self.grads_left: dict[Unit, int] = {}
+        self.backward_begun: set[Unit] = set()
 
     def install(self) -> None:
         for unit in self.units:
@@ -138,12 +146,20 @@ class _Moments:
     def before_forward(self, unit: Unit) -> None:
         if unit is self.units[0]:  # the model's forward starts: a new step's gradients to count
             self.grads_left = {u: len(u.params) for u in self.units}
+            self.backward_begun = set()
         self.fire("before_forward", unit)
 
-    def after_forward(self, unit: Unit, output: torch.Tensor) -> None:
+    def after_forward(self, unit: Unit, output: Any) -> None:
+        """The learner's after_forward; before_backward armed on every output tensor autograd will reach
+        (`output`: a tensor, tuple, dict or dataclass, as a Hugging Face block returns)."""
         self.fire("after_forward", unit)
-        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda _grad: self.fire("before_backward", unit))
+        for tensor in needing_grad(output):
+            tensor.register_hook(lambda _grad: self.before_backward(unit))
+
+    def before_backward(self, unit: Unit) -> None:
+        if unit not in self.backward_begun:  # once per step, whichever output's gradient comes first
+            self.backward_begun.add(unit)
+            self.fire("before_backward", unit)
 
     def grad_ready(self, unit: Unit) -> None:
         self.grads_left[unit] = self.grads_left.get(unit, len(unit.params)) - 1

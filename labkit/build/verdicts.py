@@ -102,7 +102,7 @@ def _wire(comm: dict, kind: str) -> int:
     return comm.get(kind, {}).get("wire_bytes", 0)
 
 
-def _names(units: Sequence[str]) -> str:
+def names_of(units: Sequence[str]) -> str:
     """'a', 'a and b', 'a, b and c'; past four names, 'a, b, c and 5 more'."""
     units = list(units)
     if len(units) > 4:
@@ -238,13 +238,13 @@ def _forward_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | N
     if held:
         first = next(iter(held))
         return (
-            f"after forward {_names(held)} still hold{'s its' if len(held) == 1 else ' their'} full weights "
+            f"after forward {names_of(held)} still hold{'s its' if len(held) == 1 else ' their'} full weights "
             f"({first}: {held[first]:,} B): free them in after_forward"
         )
     if r0["pinned"]:
         first = next(iter(r0["pinned"]))
         return (
-            f"after forward autograd still holds the full weights of {_names(r0['pinned'])} ({first}: "
+            f"after forward autograd still holds the full weights of {names_of(r0['pinned'])} ({first}: "
             f"{r0['pinned'][first]:,} B) in the tensors it saved for backward: replacing p.data leaves the "
             "gathered tensor alive there; free its storage (p.untyped_storage().resize_(0)) and gather back into it"
         )
@@ -252,7 +252,7 @@ def _forward_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | N
     if early:
         unit, others = next(iter(early.items()))
         return (
-            f"while {unit} computed, {_names(others)} already held full weights ({sum(others.values()):,} B): "
+            f"while {unit} computed, {names_of(others)} already held full weights ({sum(others.values()):,} B): "
             "gather each unit in its own before_forward, or the peak is the whole model"
         )
     if figures["wire_bytes"] != m.gather_bytes:
@@ -359,7 +359,7 @@ def _scatter_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | N
     if held:
         first = next(iter(held))
         return (
-            f"after backward {_names(held)} still hold full weights ({first}: {held[first]:,} B): free them "
+            f"after backward {names_of(held)} still hold full weights ({first}: {held[first]:,} B): free them "
             "in after_grad"
         )
     if "all_reduce" in r0["comm"] and not figures["wire_bytes"]:

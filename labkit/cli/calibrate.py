@@ -42,7 +42,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from labkit import calibrate
-    from labkit.cluster import max_ranks
+    from labkit.cluster import rank_limit
     from labkit.model import CONFIGS
 
     if args.model not in CONFIGS:
@@ -51,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
         )
     global_batch = CONFIGS[args.model].global_batch
     for n in args.world_sizes:
-        if n > max_ranks():
-            raise UsageError(f"labkit calibrate: --world-sizes {n} but this machine can run {max_ranks()} ranks; "
-                             f"pass sizes <= {max_ranks()}")  # fmt: skip
+        limit, why = rank_limit()
+        if n > limit:
+            raise UsageError(f"labkit calibrate: --world-sizes {n} but {why}; pass sizes <= {limit}")
         if global_batch % n:
             raise UsageError(f"labkit calibrate: --world-sizes {n} does not divide the global batch of "
                              f"{global_batch} sequences of {args.model!r}; pass divisors of it")  # fmt: skip

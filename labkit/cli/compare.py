@@ -151,7 +151,7 @@ def _predicted_lines(result: dict, cfg, machine: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from labkit.budget import load_machine_profile
-    from labkit.cluster import launcher_world_size, max_ranks
+    from labkit.cluster import launcher_world_size, rank_limit
     from labkit.engines import loop
     from labkit.engines.base import RunConfig
     from labkit.model import CONFIGS
@@ -180,15 +180,14 @@ def run(args: argparse.Namespace) -> int:
             f"labkit compare: --world-size {args.world_size} does not divide the global batch of "
             f"{global_batch} sequences of model {args.model!r}; pass one of {divisors}"
         )
-    limit = max_ranks()
+    limit, why = rank_limit()
     if (
         launched is None
         and args.world_size > limit
         and any(e not in loop.SINGLE_RANK_ENGINES for e in args.engines)
     ):
         raise UsageError(
-            f"labkit compare: --world-size {args.world_size} but this machine can run {limit} ranks; "
-            f"pass --world-size <= {limit}"
+            f"labkit compare: --world-size {args.world_size} but {why}; pass --world-size <= {limit}"
         )
     missing = [e for e in args.engines if e not in loop.available_engines()]
     if missing:

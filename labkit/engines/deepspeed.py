@@ -14,6 +14,8 @@ the `deepspeed`/`torchrun` launchers alike. Options are `RunConfig` fields plus 
 from __future__ import annotations
 
 import os
+import re
+from collections import Counter
 from typing import Any
 
 import deepspeed
@@ -26,7 +28,7 @@ from labkit.budget import collective_wire_bytes, padded_flat_numel
 from labkit.engines.base import RankInfo, RunConfig, adamw
 from labkit.engines.ds_config import ds_config
 from labkit.model import loss_fn
-from labkit.probes.memory import storages
+from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, storages
 
 NAME = "deepspeed"
 
@@ -170,7 +172,11 @@ class DeepSpeedEngine:
             ("fp32 master partition (flat)", t) for t in zero.fp32_partitioned_groups_flat
         ]
         for state in zero.optimizer.state.values():
-            entries["optimizer"] += [(f"AdamW {k}", v) for k, v in state.items() if torch.is_tensor(v)]
+            entries["optimizer"] += [
+                (STEP_SCALARS if k == "step" else f"AdamW {k}", v)
+                for k, v in state.items()
+                if torch.is_tensor(v)
+            ]
         return entries
 
 
@@ -208,7 +214,7 @@ def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) ->
     bf16, else 4 B); persistent full copy e x the padded numel of each parameter with numel <=
     `stage3_param_persistence_threshold` (a view of the padded buffer it was gathered into); gradient
     partitions e x S; reduce bucket e x `reduce_bucket_size`; fp32 master partition 4 x S; AdamW exp_avg
-    and exp_avg_sq 4 x S each and a 4-byte step (one flat parameter group); with optimizer offload the
+    and exp_avg_sq 4 x S each and one 4-byte step scalar (one flat parameter group); with optimizer offload the
     master partition's fp32 gradient, 4 x S more.
     """
     if cfg.offload == "nvme":
@@ -217,21 +223,21 @@ def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) ->
             "for them; this accounting covers offload='none' and 'cpu'"
         )
     zero = ds_config(cfg, world_size)["zero_optimization"]
-    threshold = zero.get("stage3_param_persistence_threshold", 100_000)
+    threshold = zero_knob(zero, "stage3_param_persistence_threshold")
     elem_bytes = 2 if cfg.dtype == "bfloat16" else 4
     numels = [p.numel() for p in model.parameters()]
     part = sum(padded_flat_numel(numel, world_size) // world_size for numel in numels)
     terms = {
         "parameter partition": elem_bytes * part,
         "persistent full copy": elem_bytes
-        * sum(padded_flat_numel(numel, world_size) for numel in numels if numel <= threshold),
+        * sum(padded_flat_numel(numel, world_size) for numel in numels if is_persistent(numel, threshold)),
         "gradient partitions (flat)": elem_bytes * part,
         "reduce bucket (flat)": elem_bytes * int(zero.get("reduce_bucket_size", 500_000_000)),
         "fp32 gradient of the master partition (offload)": 4 * part if cfg.offload == "cpu" else 0,
         "fp32 master partition (flat)": 4 * part,
         "AdamW exp_avg": 4 * part,
         "AdamW exp_avg_sq": 4 * part,
-        "AdamW step": 4,
+        STEP_SCALARS: STEP_SCALAR_BYTES,  # one flat parameter group: one step scalar
     }
     return {term: b for term, b in terms.items() if b}
 
@@ -247,7 +253,7 @@ STATE_OF_TERM = {
     "fp32 master partition (flat)": "optimizer",
     "AdamW exp_avg": "optimizer",
     "AdamW exp_avg_sq": "optimizer",
-    "AdamW step": "optimizer",
+    STEP_SCALARS: "optimizer",
 }
 
 
@@ -259,39 +265,112 @@ def accounted_state_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> 
     return out
 
 
-def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
-    """Per rank per step (steady state), the all-gather and reduce-scatter wire bytes of DeepSpeed's plan.
+def zero_knob(zero: dict[str, Any], key: str) -> int:
+    """The ZeRO knob `key` of a `zero_optimization` section (elements): its value there, else DeepSpeed's own
+    default for it (the field of `DeepSpeedZeroConfig` with that name, read from DeepSpeed, not retyped)."""
+    if key in zero:
+        return int(zero[key])
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    `model` is the unsharded lab model. DeepSpeed flattens each parameter and pads it to a multiple of the
-    world size. A parameter below `stage3_param_persistence_threshold` elements is persistent: kept whole
-    on every rank, and gathered once per step, after the optimizer step has changed its partition. With
-    the fair knobs every other parameter is gathered before its module's forward and again before its
-    backward (with `zero_hpz_partition_size` = h, the backward gather runs inside a group of h ranks, from
-    the secondary partition). Gradients are reduce-scattered once, in the parameter dtype (bf16 in bf16
-    runs, where FSDP2 reduces in fp32). Under DeepSpeed's default reuse knobs
-    a non-persistent parameter may survive from forward to backward depending on the traced order, which
-    this plan does not model: it raises then. (The first two steps differ: DeepSpeed traces its order.)
+    field = next(f for name, f in DeepSpeedZeroConfig.model_fields.items() if key in (name, f.alias))
+    return int(field.default)
+
+
+def is_persistent(numel: int, threshold: int) -> bool:
+    """DeepSpeed 0.19's rule (`DeepSpeedZeRoOffload.mark_persistent_parameters`): a parameter of at most
+    `stage3_param_persistence_threshold` elements is persistent, kept whole on every rank."""
+    return numel <= threshold
+
+
+def gather_size_rows(model: nn.Module, world_size: int, elem_bytes: int = 4) -> list[dict[str, Any]]:
+    """The model's parameters grouped by name across blocks ("blocks.*.attn.qkv.weight"), in model order:
+    how many, elements each, and the wire bytes one rank sends to all-gather one of them once (flattened and
+    padded to a multiple of `world_size`, `elem_bytes` per element). What a persistence threshold decides on."""
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for name, p in model.named_parameters():
+        group = re.sub(r"^blocks\.\d+\.", "blocks.*.", name)
+        payload_bytes = padded_flat_numel(p.numel(), world_size) * elem_bytes
+        row = rows.setdefault(
+            (group, p.numel()),
+            {
+                "parameter": group,
+                "count": 0,
+                "elements": p.numel(),
+                "all_gather_wire_bytes": collective_wire_bytes("all_gather", payload_bytes, world_size),
+            },
+        )
+        row["count"] += 1
+    return list(rows.values())
+
+
+def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
+    """Per rank per step (steady state), the all-gather and reduce-scatter wire bytes of the engine's config
+    (`ds_config`) for `cfg`: `zero3_wire_bytes` of its `zero_optimization` section, in the run's dtype."""
+    zero = ds_config(cfg, world_size)["zero_optimization"]
+    return zero3_wire_bytes(model, zero, world_size, 2 if cfg.dtype == "bfloat16" else 4)
+
+
+def zero3_wire_bytes(
+    model: nn.Module, zero: dict[str, Any], world_size: int, elem_bytes: int = 4
+) -> dict[str, int]:
+    """Per rank per step (steady state), the all-gather and reduce-scatter wire bytes of a ZeRO-3 section.
+
+    `model` is the unsharded lab model, `zero` a `zero_optimization` dict (a knob it leaves out has DeepSpeed's
+    default). DeepSpeed flattens each parameter and pads it to a multiple of the world size. A persistent
+    parameter (`is_persistent`) is kept whole on every rank: never gathered for forward or backward, but
+    gathered once per step after the optimizer step has changed its partition. Every other parameter is
+    gathered before the forward of each module that registers it (twice for a tied embedding) and again
+    before each one's backward (with `zero_hpz_partition_size` = h,
+    inside a group of h ranks, from the secondary partition) when nothing keeps it gathered in between
+    (`unmodelled_reuse`; else this raises). Gradients are reduce-scattered once, in the parameter dtype
+    (`elem_bytes`: bf16 in bf16 runs, where FSDP2 reduces in fp32). (The first two steps differ: DeepSpeed
+    traces its order.)
     """
-    config = ds_config(cfg, world_size)["zero_optimization"]
-    threshold = config.get("stage3_param_persistence_threshold", 100_000)
-    hpz = int(config.get("zero_hpz_partition_size", 1))
+    threshold = zero_knob(zero, "stage3_param_persistence_threshold")
+    hpz = int(zero.get("zero_hpz_partition_size", 1))
     backward_group = hpz if hpz > 1 else world_size
-    elem_bytes = 2 if cfg.dtype == "bfloat16" else 4
     n = world_size
     gathered, reduced = 0, 0
+    uses = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     for p in model.parameters():
         payload_bytes = padded_flat_numel(p.numel(), n) * elem_bytes
         reduced += collective_wire_bytes("reduce_scatter", payload_bytes, n)
-        gathered += collective_wire_bytes("all_gather", payload_bytes, n)
-        if p.numel() < threshold:
+        if is_persistent(p.numel(), threshold):
+            gathered += collective_wire_bytes("all_gather", payload_bytes, n)
             continue
-        if "stage3_max_reuse_distance" not in config:
-            raise ValueError(
-                "the default reuse knobs keep some non-persistent parameters gathered from forward to "
-                "backward in a traced order labkit does not model; pass ds_mode='fair' for a prediction"
-            )
-        gathered += collective_wire_bytes("all_gather", payload_bytes, backward_group)
+        reuse = unmodelled_reuse(zero)
+        if reuse:
+            raise ValueError(f"{reuse}; no formula here predicts which gathers that saves")
+        # gathered for each module that registers it (a tied embedding: the embedding's and the head's),
+        # before that module's forward and again before its backward
+        gathered += uses[id(p)] * collective_wire_bytes("all_gather", payload_bytes, n)
+        gathered += uses[id(p)] * collective_wire_bytes("all_gather", payload_bytes, backward_group)
     return {"all_gather": gathered, "reduce_scatter": reduced}
+
+
+def unmodelled_reuse(zero: dict[str, Any]) -> str | None:
+    """Why DeepSpeed may keep a gathered parameter from forward to backward under `zero`, or None.
+
+    DeepSpeed 0.19.8 (`PartitionedParameterCoordinator`) releases a parameter after use unless it is used again
+    within `stage3_max_reuse_distance` elements of its traced order, and prefetches up to
+    `stage3_prefetch_bucket_size` elements when `stage3_max_live_parameters` leaves room (its budget is max
+    live minus the elements gathered now: with max live 1, one parameter at most, and the bytes stay the
+    formula's, measured); a prefetched parameter still gathered at its next use is kept (measured on tiny
+    with max live 1e9: one all-gather fewer with a bucket of 1, the whole model gathered once with 5e7).
+    """
+    reuse = zero_knob(zero, "stage3_max_reuse_distance")
+    if reuse:
+        return f"stage3_max_reuse_distance={reuse:,} keeps a parameter gathered for a reuse within that many elements"
+    prefetch, live = (
+        zero_knob(zero, "stage3_prefetch_bucket_size"),
+        zero_knob(zero, "stage3_max_live_parameters"),
+    )
+    if prefetch and live > 1:
+        return (
+            f"stage3_prefetch_bucket_size={prefetch:,} with stage3_max_live_parameters={live:,} prefetches, and a "
+            "prefetched parameter still gathered at its next use is kept"
+        )
+    return None
 
 
 def comms_logger_summary() -> dict[str, dict[str, Any]]:
@@ -358,6 +437,18 @@ def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> DeepSpeedEng
         from deepspeed.utils import set_z3_leaf_modules
 
         set_z3_leaf_modules(model, [type(model.blocks[0])])
-    engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters(), cfg), config=config)
-    swap_dir = config["zero_optimization"].get("offload_optimizer", {}).get("nvme_path")
+    return initialize(model, config, adamw(model.parameters(), cfg))
+
+
+def initialize(
+    model: nn.Module, config: dict[str, Any], optimizer: torch.optim.Optimizer | None = None
+) -> DeepSpeedEngine:
+    """`deepspeed.initialize(model, config)` in the existing process group, as the engine the loop steps.
+
+    Without `optimizer` DeepSpeed builds the one `config`'s "optimizer" section names ("AdamW": its own
+    FusedAdam op, built for CPU ranks too; `torch.optim.AdamW` with `"torch_adam": True`). `build` passes the
+    run's AdamW; `labkit.build.deepspeed_check` passes the learner's config alone.
+    """
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    swap_dir = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("nvme_path")
     return DeepSpeedEngine(engine, swap_dir)

@@ -11,26 +11,31 @@ release it after, every step. `mode="defaults"` leaves DeepSpeed's own values, t
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.util
 import itertools
 import os
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from labkit.engines.base import RunConfig
-from labkit.model import Block, build_model
+from labkit.model import build_model
 from labkit.model import config as model_config
 
 # The four ZeRO-3 knobs `mode="fair"` sets, each in parameter elements, and why.
 FAIR_ZERO3_KNOBS: dict[str, int] = {
     # Partition every parameter, however small (default 1e5 elements: smaller ones stay whole on every rank).
     "stage3_param_persistence_threshold": 0,
-    # Release a gathered parameter as soon as its module is done (default: keep up to 1e9 elements live).
+    # At most 1 element live (default 1e9). DeepSpeed's prefetch budget is max live minus the elements gathered
+    # now, so it prefetches one parameter only when nothing is gathered (measured on tiny: 64 all-gathers a
+    # step, 56 with no prefetch at all; the same bytes, whatever the prefetch bucket).
     "stage3_max_live_parameters": 1,
     # Never keep a parameter for reuse "soon" (default: anything reused within 1e9 elements stays).
     "stage3_max_reuse_distance": 0,
-    # Prefetch at most one parameter ahead (default 5e7 elements: the whole tiny model at once).
+    # A bucket of one element (default 5e7: the whole tiny model at once); the live budget above caps it anyway.
     "stage3_prefetch_bucket_size": 1,
 }
 
@@ -40,6 +45,24 @@ ZERO_PLUS_PLUS_FLAGS = {
     "zero_quantized_weights": "all-gather int8-quantized weights instead of full-precision ones",
     "zero_quantized_gradients": "reduce gradients with a quantized all-to-all instead of a reduce-scatter",
 }
+
+
+def quantized_weight_fetches() -> list[str]:
+    """The `quantize=` arguments of the installed DeepSpeed's weight fetch (`__all_gather_params` of its
+    `PartitionedParameterCoordinator`), read from its source: the quantizer is a CUDA kernel, nothing runs it here.
+
+    DeepSpeed 0.19.8 gives ["True", "self.zero_quantized_weights"]: parameters stored quantised, then every
+    other one as the config's flag says, for forward and backward fetches alike (its `forward` argument only
+    names the profiler event). So qwZ quantises both weight all-gathers, and `labkit.budget` prices it so.
+    """
+    root = Path(importlib.util.find_spec("deepspeed").origin).parent
+    tree = ast.parse((root / "runtime" / "zero" / "partitioned_param_coordinator.py").read_text())
+    fetch = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__all_gather_params"
+    )
+    calls = [n for n in ast.walk(fetch) if isinstance(n, ast.Call)]
+    return [ast.unparse(k.value) for call in calls for k in call.keywords if k.arg == "quantize"]
+
 
 # Measured (DeepSpeed 0.19.8, tiny, 2 ranks): the config's "activation_checkpointing" section with
 # partition_activations and cpu_checkpointing on leaves the step's peak growth at 8,267,920 B, unchanged.
@@ -67,7 +90,7 @@ def block_numel(model: str) -> int:
     (default 5e8: 2 GB in fp32, 4000x the tiny model) and reduce-scatters whenever it fills. One block's
     worth makes it reduce-scatter about once per block, as FSDP2 does, and keeps the bucket in proportion.
     """
-    return sum(p.numel() for p in Block(model_config(model)).parameters())
+    return sum(p.numel() for p in build_model(model).blocks[0].parameters())
 
 
 @functools.cache
@@ -123,7 +146,10 @@ def module_units(model: str) -> int:
     (tok, pos, ln_f, head on the lab's GPT). DeepSpeed's with its blocks as leaves; FSDP2's in
     `labkit.engines.parity`."""
     net = build_model(model)
-    root = [m for m in net.children() if m is not net.blocks and any(True for _ in m.parameters())]
+    in_blocks = {id(m) for b in net.blocks for m in b.modules()}
+    root = [
+        m for m in net.modules() if id(m) not in in_blocks and any(True for _ in m.parameters(recurse=False))
+    ]
     return len(net.blocks) + len(root)
 
 

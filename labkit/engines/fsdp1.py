@@ -4,7 +4,7 @@ In one sentence: each unit's parameters are flattened, in order, into one `FlatP
 multiple of n elements, and each rank keeps one 1/n slice of that buffer; the unit's forward all-gathers
 the flat buffer and views the original parameters into it, and its backward reduce-scatters the flat
 gradient back into the slice, on which `torch.optim.AdamW` steps. The idiomatic recipe
-(`ModuleWrapPolicy({Block})`, `ShardingStrategy.FULL_SHARD`), nothing clever.
+(`ModuleWrapPolicy({Block})`, the model's decoder layer for a Hugging Face one, `ShardingStrategy.FULL_SHARD`), nothing clever.
 
 Choices, from `RunConfig` and `cfg.options` (anything else is refused, never ignored):
 - `use_orig_params=False` (FSDP1's default): the optimizer steps the flat shards themselves, one
@@ -61,7 +61,8 @@ from labkit import cluster
 from labkit.budget import collective_wire_bytes, padded_flat_numel
 from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 from labkit.engines.fsdp2 import device_mesh, hsdp_shard_size
-from labkit.model import Block
+from labkit.model import block_class
+from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, in_categories
 
 NAME = "fsdp1"
 OPTIONS = ("hsdp_shard_size", "prefetch_depth", "reshard_after_forward")  # the cfg.options keys it honours
@@ -128,7 +129,7 @@ def wrap_kwargs(cfg: RunConfig, info: RankInfo) -> dict[str, Any]:
     """The `FullyShardedDataParallel` keywords for this run on this rank (checked by `check`)."""
     shard = check(cfg, info.world_size, info.device.type)
     kwargs: dict[str, Any] = {
-        "auto_wrap_policy": ModuleWrapPolicy({Block}),
+        "auto_wrap_policy": ModuleWrapPolicy({block_class(cfg.model)}),
         "device_id": info.device,
         "use_orig_params": False,
         "forward_prefetch": cfg.prefetch,
@@ -186,13 +187,15 @@ def unit_numels(model: nn.Module) -> list[int]:
     return [root, *(sum(p.numel() for p in b.parameters()) for b in model.blocks)]
 
 
-def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
-    """Bytes per rank between steps, per category, as `labkit.probes.state_bytes` counts them.
+def state_bytes_by_term(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
+    """Bytes per rank between steps, as `labkit.probes.state_bytes` counts them: "params", "grads",
+    "optimizer" (AdamW's two moments) and `STEP_SCALARS`, on a line of its own.
 
     Each unit's flat buffer is padded to a multiple of s (the shard group: world_size, or
     `hsdp_shard_size`) elements and each rank keeps P_u / s of it, in fp32 whatever `cfg.dtype`:
-    params 4 x sum(P_u)/s, grads 4 x sum(P_u)/s, optimizer 8 x sum(P_u)/s (exp_avg, exp_avg_sq) plus one
-    4-byte `step` per unit. Without padding that is 16 B/param / s + 4 B per unit.
+    params 4 x sum(P_u)/s, grads 4 x sum(P_u)/s, optimizer 8 x sum(P_u)/s (exp_avg, exp_avg_sq), and one
+    4-byte step scalar per unit (AdamW keeps one per tensor it updates: here a flat parameter). Without
+    padding that is 16 B/param / s + 4 B per unit.
     """
     s = check(cfg, world_size)
     units = unit_numels(model)
@@ -200,8 +203,14 @@ def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) ->
     return {
         "params": 4 * shard_numel,
         "grads": 4 * shard_numel,
-        "optimizer": 8 * shard_numel + 4 * len(units),
+        "optimizer": 8 * shard_numel,
+        STEP_SCALARS: STEP_SCALAR_BYTES * len(units),
     }
+
+
+def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
+    """`state_bytes_by_term` in the probe's three categories: params, grads, optimizer (bytes)."""
+    return in_categories(state_bytes_by_term(model, cfg, world_size))
 
 
 def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:

@@ -26,6 +26,11 @@ Options, from `RunConfig` and `cfg.options` (keys below):
 - `options["activation_checkpointing"]` (bool): each block wrapped in torch's non-reentrant
   `checkpoint_wrapper` before `fully_shard` (`labkit.engines.activation_checkpointing`): backward
   re-gathers the block (its pre-backward hook), then recomputes it; the bytes per step do not change.
+
+The engine does not compile. `torch.compile` never traces FSDP2's hooks in torch 2.13 (each is wrapped in
+`torch._dynamo.disable`), so no all-gather or reduce-scatter is ever in a graph; what compiles is a block's
+body, and a block compiled before `fully_shard` compiles with `fullgraph=True` (`fsdp2_features.compile_sharded`
+shows both from a run).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from labkit import cluster
 from labkit.budget import collective_wire_bytes, padded_numel
 from labkit.engines import activation_checkpointing
 from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
+from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, in_categories
 
 NAME = "fsdp2"
 OPTIONS = (
@@ -128,6 +134,19 @@ def set_explicit_prefetch(model: nn.Module, depth_blocks: int) -> None:
         block.set_modules_to_backward_prefetch(blocks[max(0, i - depth_blocks) : i][::-1])
 
 
+def sharded_adamw(params, cfg: RunConfig) -> torch.optim.AdamW:
+    """The lab's AdamW over an FSDP2 model's parameters: DTensors in one param group, plain tensors (`ignored_params`)
+    in another.
+
+    AdamW's foreach path (the default for CUDA tensors) refuses plain tensors and DTensors in one call ("got mixed
+    torch.Tensor and DTensor"); a group of each kind keeps every call to one kind. The update of each parameter
+    is the same; with no plain tensor it is one group, as `adamw` makes it.
+    """
+    params = list(params)
+    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return adamw([{"params": kind} for kind in kinds if kind], cfg)
+
+
 def placements(model: nn.Module) -> dict[str, str]:
     """Each parameter's DTensor placements as text, e.g. {"blocks.0.qkv.weight": "(Shard(dim=0),)"}."""
     return {
@@ -205,15 +224,14 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
     return out | ({"all_reduce": all_reduced} if replicas > 1 else {})
 
 
-def state_bytes_accounting(
-    model: nn.Module, cfg: RunConfig, world_size: int, rank: int = 0
-) -> dict[str, int]:
-    """Bytes `rank` keeps between steps, as `Fsdp2Engine.state_tensors` shows them to `labkit.probes`.
+def state_bytes_by_term(model: nn.Module, cfg: RunConfig, world_size: int, rank: int = 0) -> dict[str, int]:
+    """Bytes `rank` keeps between steps, as `Fsdp2Engine.state_tensors` shows them to `labkit.probes`:
+    "params", "grads", "optimizer" (AdamW's two moments) and `STEP_SCALARS`, on a line of its own.
 
     FSDP2 cuts dim 0 of each parameter into chunks of ceil(d0 / s) rows (s: the shard group, `world_size`
     without HSDP), so a rank holds between 0 and ceil(d0 / s) rows of it: fp32 shard 4 B and gradient 4 B per
-    element it holds, AdamW's two moments 8 B, and AdamW's 4-byte `step` per parameter tensor. With every
-    d0 divisible by s that is 16 B/param / s + 4 B per tensor.
+    element it holds, AdamW's two moments 8 B, and one 4-byte step scalar per parameter tensor (AdamW keeps
+    one per tensor it updates). With every d0 divisible by s that is 16 B/param / s + 4 B per tensor.
     """
     s = hsdp_shard_size(cfg, world_size)
     r = rank % s
@@ -222,7 +240,19 @@ def state_bytes_accounting(
         rows = -(-p.shape[0] // s)
         held += max(0, min(rows, p.shape[0] - r * rows)) * (p.numel() // p.shape[0])
     tensors = len(list(model.parameters()))
-    return {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held + 4 * tensors}
+    return {
+        "params": 4 * held,
+        "grads": 4 * held,
+        "optimizer": 8 * held,
+        STEP_SCALARS: STEP_SCALAR_BYTES * tensors,
+    }
+
+
+def state_bytes_accounting(
+    model: nn.Module, cfg: RunConfig, world_size: int, rank: int = 0
+) -> dict[str, int]:
+    """`state_bytes_by_term` in the probe's three categories: params, grads, optimizer (bytes)."""
+    return in_categories(state_bytes_by_term(model, cfg, world_size, rank))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -253,4 +283,4 @@ def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> Fsdp2Engine:
     activation_checkpointing.apply(model, cfg)  # before fully_shard: FSDP2's hooks go on the wrapper
     shard_model(model, cfg, mesh)
     assert_sharded(model, mesh)
-    return Fsdp2Engine(model, adamw(model.parameters(), cfg), rank_info.device)
+    return Fsdp2Engine(model, sharded_adamw(model.parameters(), cfg), rank_info.device)

@@ -3,14 +3,16 @@
 Run any of them with `labkit.launch(fn, world_size, cfg, ...)`; rank 0's dict is what a notebook shows:
 HSDP on a 2-D mesh (its collectives counted by labkit's probe per group size), tensor parallelism + FSDP on
 one 2x2 mesh, a distributed checkpoint saved on one world size and loaded on another, `ignored_params`,
-`torch.compile` of the sharded model (and what Dynamo traced), and torch's own `CommDebugMode` counts (to
-set beside labkit's probe). Losses are global means, to compare with `single`. `shard_mesh` and
+`torch.compile` with FSDP2 (the graphs Dynamo compiled and the frames it ran eagerly: FSDP2's hooks are never
+traced), and torch's own `CommDebugMode` counts (to set beside labkit's probe). Losses are global means, to compare with `single`. `shard_mesh` and
 `build_engine` are the 1-D mesh and the engine on fresh weights that these and `fsdp2_inspect` share.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -29,13 +31,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from labkit.engines import fsdp2
-from labkit.engines.base import RunConfig, adamw
+from labkit.engines.base import RunConfig
 from labkit.engines.loop import rank_batch, rank_info, rank_model, train_steps
 from labkit.probes import Probes
 
@@ -52,7 +54,7 @@ def build_engine(cfg: RunConfig, mesh: DeviceMesh | None = None) -> fsdp2.Fsdp2E
     model = rank_model(cfg.model, cfg.seed)
     fsdp2.shard_model(model, cfg, mesh)
     fsdp2.assert_sharded(model, mesh)
-    return fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), rank_info().device)
+    return fsdp2.Fsdp2Engine(model, fsdp2.sharded_adamw(model.parameters(), cfg), rank_info().device)
 
 
 def hsdp(cfg: RunConfig, replicas: int = 2) -> dict[str, Any]:
@@ -103,7 +105,7 @@ def tp_fsdp(cfg: RunConfig) -> dict[str, Any]:
         parallelize_module(block, mesh["tp"], {"fc": ColwiseParallel(), "out": RowwiseParallel()})
     dp_mesh: DeviceMesh = mesh["dp"]
     fsdp2.shard_model(model, cfg, dp_mesh)
-    engine = fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), info.device)
+    engine = fsdp2.Fsdp2Engine(model, fsdp2.sharded_adamw(model.parameters(), cfg), info.device)
     block = model.blocks[0]
     facts = {
         "mesh_dim_names": mesh.mesh_dim_names,
@@ -194,7 +196,7 @@ def ignored_params(
     for block in model.blocks:
         fully_shard(block, **common)
     fully_shard(model, ignored_params=ignored, **common)
-    engine = fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), info.device)
+    engine = fsdp2.Fsdp2Engine(model, fsdp2.sharded_adamw(model.parameters(), cfg), info.device)
     if sync:
         for p in ignored:
             p.register_post_accumulate_grad_hook(_average_grad)
@@ -216,57 +218,171 @@ def _average_grad(p: torch.Tensor) -> None:
     p.grad.div_(dist.get_world_size())
 
 
-def compile_sharded(cfg: RunConfig, backend: str = "inductor", explain: bool = False) -> dict[str, Any]:
-    """`torch.compile(model, backend=backend)` the sharded model; the first (compiling) step and the mean of
-    the later ones timed (seconds).
+def compile_sharded(cfg: RunConfig, backend: str = "inductor") -> dict[str, Any]:
+    """What `torch.compile` makes of an FSDP2 model in torch 2.13, from the run, three ways on fresh engines.
 
+    torch 2.13 wraps every FSDP2 hook in `torch._dynamo.disable` (reason "skipping FSDP hooks", read from
+    `_fsdp_common.py`: `hook_disable_reason`), so no all-gather or reduce-scatter is ever in a graph.
+    - `torch.compile(sharded_model)`: `graphs` (each graph Dynamo handed the backend: the module whose forward
+      it is, the child modules and ops in it, how many times it ran per step), `skipped_frames` (frames Dynamo
+      gave up on and ran eagerly, with its reason), `graph_breaks` (Dynamo's counter, which does not count a skipped
+      frame), `losses`, `first_step_s` (compiling) and `later_step_s` (the mean of the others), seconds.
+    - `fullgraph_error`: `torch.compile(sharded_model, fullgraph=True)` refused, and where it was raised.
+    - `blocks_first`: each block compiled with `fullgraph=True`, then sharded (FSDP2's hooks then sit outside
+      the compiled module): its `graphs`, `losses` and step times.
     Returns `skipped` with a reason instead when inductor cannot build kernels here (no C++ compiler).
-    `graph_breaks` is Dynamo's own count of graph breaks in this process (measured: 0 with torch 2.13, whose
-    Dynamo traces through FSDP2's hooks), `graphs` the number of distinct graphs it compiled. `explain`
-    adds what `torch._dynamo.explain` reports of one forward before compiling (see `_explain`).
     """
     if backend == "inductor" and shutil.which(os.environ.get("CXX", "c++")) is None:
         return {"skipped": "torch.compile's inductor backend needs a C++ compiler (c++ or $CXX) on PATH"}
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    reason = re.search(r'reason="([^"]+)"', inspect.getsource(_fsdp_common._dynamo_disable))
+    facts: dict[str, Any] = {"backend": backend, "hook_disable_reason": reason and reason.group(1)}
+    facts |= _compile_whole(cfg, backend)
+    facts["fullgraph_error"] = _fullgraph_error(cfg, backend)
+    facts["blocks_first"] = _compile_blocks_first(cfg, backend)
+    return facts
+
+
+class _GraphLog:
+    """A Dynamo backend that records each graph it is given, then hands it to `backend`: the module whose
+    forward the graph is (found in `model` by the child modules its ops ran in), those children, its ops
+    (in order, each once), and how many times the compiled graph has run (`calls`)."""
+
+    def __init__(self, backend: str, model: torch.nn.Module):
+        self.inner = torch._dynamo.lookup_backend(backend)
+        self.model = model
+        self.graphs: list[dict[str, Any]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        children = {
+            re.split(r"[.\[]", path.removeprefix("L['self']."))[0]
+            for node in gm.graph.nodes
+            for path, _ in node.meta.get("nn_module_stack", {}).values()
+        }
+        ops = [
+            getattr(node.target, "__name__", str(node.target))
+            for node in gm.graph.nodes
+            if node.op in ("call_function", "call_method")
+        ]
+        owner = next(
+            (_class_name(m) for m in self.model.modules() if set(dict(m.named_children())) == children), "?"
+        )
+        record = {
+            "forward_of": owner,
+            "children": sorted(children),
+            "ops": list(dict.fromkeys(ops)),
+            "calls": 0,
+        }
+        self.graphs.append(record)
+        compiled = self.inner(gm, example_inputs)
+
+        def run(*args: Any) -> Any:
+            record["calls"] += 1
+            return compiled(*args)
+
+        return run
+
+    def per_step(self, steps: int) -> list[dict[str, Any]]:
+        """The graphs, `calls` turned into runs per step over `steps` steps."""
+        return [g | {"calls": g["calls"] / steps} for g in self.graphs]
+
+
+def _class_name(module: torch.nn.Module) -> str:
+    """The module's own class name: `fully_shard` swaps its class for a subclass named FSDP<name>."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def _compile_whole(cfg: RunConfig, backend: str) -> dict[str, Any]:
+    """`torch.compile(sharded_model)`: the graphs, the frames Dynamo skipped, losses and step times."""
+    _fresh_dynamo()
     engine = build_engine(cfg)
-    facts: dict[str, Any] = {"backend": backend, **(_explain(engine, cfg) if explain else {})}
-    engine.model = torch.compile(engine.model, backend=backend)
+    log = _GraphLog(backend, engine.model)
+    eager = engine.model
+    engine.model = torch.compile(eager, backend=log)
+    trained = _train_logged(engine, cfg, log)
+    counters = torch._dynamo.utils.counters
+    frames = {type(m).forward.__code__: f"{_class_name(m)}.forward" for m in eager.modules()}
+    skips = [_skip(message, frames) for message in counters["unimplemented"]]
+    return trained | {
+        "skipped_frames": [s for s in skips if s["frame"]],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+
+
+def _train_logged(engine: fsdp2.Fsdp2Engine, cfg: RunConfig, log: _GraphLog) -> dict[str, Any]:
+    """`cfg.steps` steps: the losses, the first (compiling) step's seconds, the later steps' mean seconds, and
+    `log`'s graphs with their runs per step counted over the later steps (compiled already)."""
     start_s = time.perf_counter()
     losses = train_steps(engine, replace(cfg, steps=1))
     first_step_s = time.perf_counter() - start_s
+    for g in log.graphs:
+        g["calls"] = 0
     start_s = time.perf_counter()
     losses += train_steps(engine, replace(cfg, steps=cfg.steps - 1), first_step=1)
-    later_step_s = (time.perf_counter() - start_s) / max(1, cfg.steps - 1)
-    counters = torch._dynamo.utils.counters
-    return facts | {
+    later = max(1, cfg.steps - 1)
+    return {
+        "graphs": log.per_step(later),
         "losses": losses,
         "first_step_s": first_step_s,
-        "later_step_s": later_step_s,
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "graphs": counters["stats"]["unique_graphs"],
+        "later_step_s": (time.perf_counter() - start_s) / later,
     }
 
 
-def _explain(engine: fsdp2.Fsdp2Engine, cfg: RunConfig) -> dict[str, Any]:
-    """What Dynamo traces of one forward of the sharded model (`torch._dynamo.explain`), then reset.
-
-    `collectives_in_forward_graphs` names the FSDP2 collective and copy ops Dynamo put into its graphs
-    (empty: the hooks ran eagerly, outside the graphs).
-    """
-    info = rank_info()
-    tokens, _ = rank_batch(0, cfg.model, cfg.seed, info.world_size, info.rank, info.device)
-    explained = torch._dynamo.explain(engine.model)(tokens)
-    ops = {getattr(op, "__name__", str(op)) for graph_ops in explained.ops_per_graph for op in graph_ops}
-    targets = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
-    torch._dynamo.reset()  # the compiled run traces afresh
+def _skip(message: str, frames: dict) -> dict[str, Any]:
+    """One of Dynamo's give-up messages: its first line, the function it would not trace, whether the break
+    sat in a loop (which makes Dynamo run the whole frame eagerly), and that frame's `Class.forward` (None
+    when the message names no skipped frame: a first attempt, traced again up to the break)."""
+    function = re.search(r"the function `(\w+)` in file `[^`]*?([\w.]+)`", message)
+    frame = re.search(r"frame skipped: (\w+) \((.+) line (\d+)\)", message)
+    where = None
+    if frame:
+        where = next(
+            (name for code, name in frames.items()
+             if (code.co_name, code.co_filename, code.co_firstlineno) == (frame[1], frame[2], int(frame[3]))),
+            f"{frame[1]} ({os.path.basename(frame[2])} line {frame[3]})",
+        )  # fmt: skip
     return {
-        "graph_count": explained.graph_count,
-        "graph_break_count": explained.graph_break_count,
-        "break_reasons": [str(b.reason).splitlines()[0] for b in explained.break_reasons],
-        "ops_traced": sorted(ops),
-        "collectives_in_forward_graphs": sorted(
-            t for t in targets if any(k in t for k in ("all_gather", "reduce_scatter", "fsdp"))
-        ),
+        "reason": message.splitlines()[0],
+        "function": function and f"{function[1]} in {function[2]}",
+        "in_loop": "graph break in loop" in message,
+        "frame": where,
     }
+
+
+def _fullgraph_error(cfg: RunConfig, backend: str) -> str:
+    """What `torch.compile(sharded_model, fullgraph=True)` raises on the first forward, and where (file,
+    function of the last frame Dynamo was tracing)."""
+    _fresh_dynamo()
+    engine = build_engine(cfg)
+    model = torch.compile(engine.model, backend=backend, fullgraph=True)
+    tokens, _ = rank_batch(0, cfg.model, cfg.seed, dist.get_world_size(), dist.get_rank(), rank_info().device)
+    try:
+        model(tokens)
+    except torch._dynamo.exc.Unsupported as e:
+        frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', str(e))
+        where = f", raised in {os.path.basename(frames[-1][0])} ({frames[-1][1]})" if frames else ""
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}{where}"
+    return "no error: Dynamo traced the whole forward"
+
+
+def _compile_blocks_first(cfg: RunConfig, backend: str) -> dict[str, Any]:
+    """Each block `torch.compile(block, fullgraph=True)`, then `fsdp2.shard_model`: graphs, losses, times."""
+    _fresh_dynamo()
+    info = rank_info()
+    model = rank_model(cfg.model, cfg.seed, info.device)
+    log = _GraphLog(backend, model)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend=log, fullgraph=True)
+    fsdp2.shard_model(model, cfg, shard_mesh())
+    fsdp2.assert_sharded(model, shard_mesh())
+    engine = fsdp2.Fsdp2Engine(model, fsdp2.sharded_adamw(model.parameters(), cfg), info.device)
+    return _train_logged(engine, cfg, log)
 
 
 def comm_debug_counts(

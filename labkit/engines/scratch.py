@@ -25,6 +25,7 @@ from labkit.budget import exposed_floor as budget_floor
 from labkit.engines import activation_checkpointing
 from labkit.engines.base import RankInfo, RunConfig
 from labkit.model import loss_fn
+from labkit.probes.memory import STEP_SCALARS, in_categories
 from labkit.zero import ShardedAdamW, ZeRO3
 from labkit.zero.hooks import unit_plan
 from labkit.zero.hsdp import hsdp_groups
@@ -165,20 +166,27 @@ def predicted_wire_bytes(
     return out
 
 
-def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
-    """Bytes per rank between steps, as `labkit.probes.state_bytes` counts `state_tensors()`.
+def state_bytes_by_term(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
+    """Bytes per rank between steps, as `labkit.probes.state_bytes` counts `state_tensors()`: "params",
+    "grads", "optimizer" (AdamW's two moments; "host_optimizer" with `offload="cpu"`) and `STEP_SCALARS`.
 
     Each parameter keeps its fp32 master shard (padded on dim 0 to a multiple of g, the shard group: g =
     world_size without HSDP), 4 B x padded elements / g; a trained one also its fp32 gradient shard (4 B) and
-    AdamW's exp_avg and exp_avg_sq (8 B), under "host_optimizer" with `offload="cpu"`. Without padding or
-    frozen parameters that is 16 B/param / g.
+    AdamW's exp_avg and exp_avg_sq (8 B). `ShardedAdamW` counts its steps in one Python int, so it keeps
+    no step scalar: 0 B. Without padding or frozen parameters that is 16 B/param / g.
     """
     g = shard_size(cfg, world_size)
     params = list(model.parameters())
     every = sum(padded_numel(tuple(p.shape), g) // g for p in params)
     trained = sum(padded_numel(tuple(p.shape), g) // g for p in params if p.requires_grad)
     optimizer = "host_optimizer" if cfg.offload == "cpu" else "optimizer"
-    return {"params": 4 * every, "grads": 4 * trained, "optimizer": 0} | {optimizer: 8 * trained}
+    moments = {"optimizer": 0} | {optimizer: 8 * trained}
+    return {"params": 4 * every, "grads": 4 * trained, **moments, STEP_SCALARS: 0}
+
+
+def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
+    """`state_bytes_by_term` in the probe's categories: params, grads, optimizer (and host_optimizer), bytes."""
+    return in_categories(state_bytes_by_term(model, cfg, world_size))
 
 
 def exposed_floor(

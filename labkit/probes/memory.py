@@ -53,6 +53,19 @@ def storages(tensors: Iterable) -> Iterator[torch.UntypedStorage]:
 
 CATEGORIES = ("params", "grads", "optimizer")
 
+# An engine's accounting names AdamW's per-tensor `step` on a line of its own: torch's AdamW keeps one 0-dim
+# float32 (4 B) per tensor it updates, on the CPU unless `capturable` or `fused`. It is optimizer state.
+STEP_SCALARS = "AdamW step scalars"
+STEP_SCALAR_BYTES = 4
+
+
+def in_categories(terms: dict[str, int]) -> dict[str, int]:
+    """An accounting with `STEP_SCALARS` on a line of its own, in the probe's categories (bytes): the step
+    scalars join "optimizer", the other keys stay as they are."""
+    out = {key: b for key, b in terms.items() if key != STEP_SCALARS}
+    out["optimizer"] = out.get("optimizer", 0) + terms.get(STEP_SCALARS, 0)
+    return out
+
 
 def state_bytes(state: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     """Bytes per category ("params", "grads", "optimizer"), each storage counted once (first category).

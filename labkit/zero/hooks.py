@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.zero.outputs import needing_grad
 from labkit.zero.prefetch import Prefetcher
 from labkit.zero.unit import ShardedParam, ShardedState, ShardedUnit
 from labkit.zero.units import INPUT, OUTPUT, ROOT, UnitSpec, instances_of, model_units, split_root
@@ -104,17 +106,17 @@ class ZeRO3:
         for ahead in self.prefetcher.ahead_in_forward(unit):
             ahead.start_gather(async_op=True)
 
-    def after_forward(self, unit: ShardedUnit, output: torch.Tensor | None) -> torch.Tensor | None:
-        """Free the weights (not the output unit's: module docstring); arm before_backward on `output`
-        (None: armed elsewhere, as the input unit's are on its modules' outputs)."""
+    def after_forward(self, unit: ShardedUnit, output: Any) -> None:
+        """Free the weights (not the output unit's when a backward follows: module docstring); arm
+        before_backward on the output's tensors (`output`: any pytree; None: armed elsewhere, as the input
+        unit's are on its modules' outputs). A no-grad or eval forward keeps nothing gathered."""
         self._log("after_forward", unit)
-        backward_follows = torch.is_grad_enabled() and (output is None or output.requires_grad)
+        armed = [] if output is None else needing_grad(output)
+        backward_follows = self.model.training and (bool(armed) or output is None and torch.is_grad_enabled())
         kept = unit is self.output_unit and backward_follows
         if self.reshard_after_forward and not kept:
             unit.free()
-        if output is not None:
-            self._arm_backward(unit, output)
-        return output
+        self._arm_backward(unit, output)
 
     def before_backward(self, unit: ShardedUnit) -> None:
         if unit in self._backward_begun:  # a unit with two outputs (the input unit's embeddings): the first
@@ -186,9 +188,11 @@ class ZeRO3:
         paths = dict.fromkeys(sp.name.rpartition(".")[0] for sp in unit.params)
         return [self.model.get_submodule(path) for path in paths]
 
-    def _arm_backward(self, unit: ShardedUnit, output: torch.Tensor) -> None:
-        if torch.is_grad_enabled() and output.requires_grad:
-            output.register_hook(lambda grad: self.before_backward(unit))
+    def _arm_backward(self, unit: ShardedUnit, output: Any) -> None:
+        """before_backward on the first gradient to reach any tensor of `output` (a pytree; before_backward
+        runs once per unit and step)."""
+        for tensor in needing_grad(output):
+            tensor.register_hook(lambda grad: self.before_backward(unit))
 
     def _watch_grads(self, unit: ShardedUnit) -> None:
         """A hook on each trainable parameter (a frozen one gets no gradient) counts the unit's gradients.
