@@ -3,8 +3,9 @@
 A cell tagged `predict` calls `predict(question, unit)`: a small text box with the unit beside it. The
 cell that measures calls `guess.reveal(measured, formula=..., mistake=...)`, which shows the measurement,
 the prediction and by how much they differ, the formula beside the measurement, and the usual mistake
-when the prediction missed. Under papermill nobody types: the prediction is None and the reveal still
-shows the measurement. A plain number works too: `predict(question, unit, value=1.5e6)`.
+when a prediction was entered and missed. Under papermill ("Run All" with the box empty) nobody typed: the
+reveal says no prediction was entered and shows the measurement and the formula, nothing about mistakes.
+A plain number works too: `predict(question, unit, value=1.5e6)`.
 """
 
 from __future__ import annotations
@@ -94,12 +95,15 @@ class Reveal:
             out.append(f"You predicted {q(self.predicted)}: {self._miss()}.")
         if self.formula is not None:
             label = f"Formula {self.formula_text} = " if self.formula_text else "Formula: "
-            if self.formula == self.measured:
-                agree = "equal to the byte" if self.unit == "B" else "equal"
+            if self.unit == "B" and self.formula == self.measured:
+                agree = "equal to the byte"
+            elif self.unit != "B" and math.isclose(self.formula, self.measured, rel_tol=1e-9):
+                agree = "equal"  # up to rounding: the same sum, added in another order
             else:
-                agree = f"measured / formula = {self.measured / self.formula:.4g}" if self.formula else ""
+                ratio = self.measured / self.formula if self.formula else None
+                agree = f"{self.source} / formula = {ratio:.4g}" if ratio is not None else ""
             out.append(f"{label}{q(self.formula)}: {agree}.".replace(": .", "."))
-        if self.mistake and not self.right:
+        if self.mistake and self.predicted is not None and not self.right:
             out.append(f"The usual mistake: {self.mistake}")
         return out
 
@@ -150,7 +154,7 @@ class Prediction:
         """Show the measurement beside the prediction (and the formula), and return what was shown.
 
         `measured` and `formula` are in the prediction's unit; `mistake` is one line on the usual error,
-        shown when the prediction missed; `source` says where `measured` comes from ("computed" for a
+        shown only when a prediction was entered and missed; `source` says where `measured` comes from ("computed" for a
         figure of labkit.budget). A typed prediction that is not a number is reported, not raised.
         """
         try:

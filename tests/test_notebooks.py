@@ -214,6 +214,9 @@ def test_05_fsdp2_features(executed):
     text = _text(executed("05_fsdp2_surface.ipynb"))
     # the learner's fully_shard build cell (filled in this copy) passes each property its check names
     assert all(f"✓ {prop}:" in text for prop in ("placements", "prefetch", "losses", "bytes")), text
+    # a Hugging Face model: the learner's 02 pieces (filled here), FSDP2 and DeepSpeed, each equal to single
+    hf = dict(re.findall(r"^(yours \(02\)|fsdp2|deepspeed)\s+\d\.\d{6}\s+(\S+)", text, re.M))
+    assert set(hf) == {"yours (02)", "fsdp2", "deepspeed"} and max(map(float, hf.values())) < 1e-4, hf
     assert "(Shard(dim=0),)" in text and "(Replicate(), Shard(dim=0))" in text
     assert text.count(": True") >= 4  # every block's all-gather at its policy's width
     diffs = [float(x) for x in re.findall(r"largest relative difference to single (\S+)", text)]

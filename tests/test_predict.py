@@ -28,12 +28,21 @@ def test_parse_number_refuses_with_a_sentence(text):
         parse_number(text, "B")
 
 
-def test_no_prediction_still_reveals_the_measurement(capsys):
-    shown = predict("Bytes one rank sends", "B").reveal(1536, formula=1536, formula_text="(n-1)/n x 2,048 B")
+def test_no_prediction_reveals_the_measurement_and_formula_and_no_mistake(capsys):
+    # "Run All" with the box empty: nobody made the usual mistake, so the reveal does not name it.
+    shown = predict("Bytes one rank sends", "B").reveal(
+        1536, formula=1536, formula_text="(n-1)/n x 2,048 B", mistake="each rank already holds 1/n"
+    )
     assert shown.predicted is None and not shown.right and shown.ratio is None
     out = capsys.readouterr().out
-    assert "measured 1,536 B" in out and "No prediction entered" in out
-    assert "(n-1)/n x 2,048 B = 1,536 B: equal to the byte" in out
+    assert out.splitlines() == [
+        "Bytes one rank sends: measured 1,536 B.",
+        "No prediction entered (type one in the box above, then run this cell again).",
+        "Formula (n-1)/n x 2,048 B = 1,536 B: equal to the byte.",
+    ]
+    assert "computed / formula = 2" in str(Reveal("t", "s", 2.0, None, formula=1.0, source="computed"))
+    # seconds summed in another order are equal up to rounding (0.1 + 0.2 is 0.30000000000000004)
+    assert "Formula: 300 ms: equal." in str(Reveal("t", "s", 0.1 + 0.2, None, formula=0.3))
 
 
 def test_a_miss_names_the_factor_and_the_usual_mistake(capsys):

@@ -43,3 +43,12 @@ def notebook_namespace(path: Path | None = None) -> dict:
     for cell_id, source in build_cells(path).items():
         exec(compile(source, f"<02 cell {cell_id}>", "exec"), ns)  # noqa: S102 (the course's own cells)
     return ns
+
+
+def unwritten_pieces(pieces: Pieces) -> list[str]:
+    """The pieces still a stub (their code calls `write_this_piece`) or missing, in `Pieces` order."""
+    return [
+        name
+        for name, fn in vars(pieces).items()
+        if fn is None or "write_this_piece" in getattr(getattr(fn, "__code__", None), "co_names", ())
+    ]

@@ -4,14 +4,16 @@ Claim 21 says neither is faster at equal tuning. Equal tuning means equal units:
 DeepSpeed gathers every sub-module by itself (64 all-gathers a step on tiny against FSDP2's 9), and on gloo
 each call costs milliseconds whatever its size. `ds_config.matched_to_fsdp2` makes each block a DeepSpeed
 leaf module and sizes its reduce bucket; `Fsdp2ModuleUnits` gives FSDP2 DeepSpeed's remaining units (the
-root's four modules each a unit). `run_parity` trains both, and FSDP2 at its own per-block units, in turn
-on the same ranks, several times, and sets their calls, bytes and step times side by side.
+root's four modules each a unit). `run_parity` trains FSDP2 at its own per-block units once, then the matched
+pair several times on the same ranks, interleaved, and sets their calls, bytes and step times side by side;
+`decide` turns the pairs' step-time ratios into a verdict that a noisy machine cannot flip.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -68,21 +70,30 @@ def matched_runs(cfg: RunConfig) -> dict[str, tuple[Any, RunConfig]]:
     }
 
 
-def run_parity(cfg: RunConfig, repeats: int = 3, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Train `matched_runs(cfg)` `repeats` times, interleaved, in one launch; per label a summary.
+def interleaved(repeats: int) -> list[str]:
+    """The order `run_parity` trains in: FSDP2 at per-block units once, then `repeats` matched pairs, each pair
+    starting with the engine the previous one ended with (FSDP2, DeepSpeed, DeepSpeed, FSDP2, ...)."""
+    pair = (FSDP2_MODULES, DEEPSPEED_MATCHED)
+    return [FSDP2_BLOCKS] + [label for i in range(repeats) for label in (pair if i % 2 == 0 else pair[::-1])]
 
-    Per label: "calls" and "wire_bytes" per step by collective (rank 0, last step), "median_step_s" per
-    repetition (`tables.median_step_s`: steps after the first), "step_s" (the median of those), "spread"
-    (max / min of them), "phase_s" (rank 0's forward, backward and optimizer spans, s per step, the
-    median over repetitions) and "losses" (the first repetition's). "ratio": DeepSpeed matched / FSDP2 at module
-    units, each repetition's pair, and their median.
+
+def run_parity(cfg: RunConfig, repeats: int = 4, timeout_s: float = 600.0) -> dict[str, Any]:
+    """FSDP2 at per-block units once, then `repeats` pairs of the matched two, in one launch; per label a summary.
+
+    The pairs are interleaved and alternate which engine goes first (`interleaved`), so a machine that slows or
+    speeds up during the launch weighs on both alike. Per label: "calls"
+    and "wire_bytes" per step by collective (rank 0, last step), "median_step_s" per repetition
+    (`tables.median_step_s`: steps after the first), "step_s" (the median of those), "spread" (max / min of
+    them), "phase_s" (rank 0's forward, backward and optimizer spans, s per step, the median over repetitions)
+    and "losses" (the first repetition's). "ratio": DeepSpeed matched / FSDP2 at module units, each pair's
+    ("per_repeat") and their median; `decide` reads them.
     """
     from labkit.tables import median_step_s, phase_s
 
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: pass 1 or more repetitions")
     runs = matched_runs(cfg)
-    order = [label for _ in range(repeats) for label in runs]
+    order = interleaved(repeats)
     records = run_many([runs[label] for label in order], timeout_s=timeout_s)
     out: dict[str, Any] = {}
     for label in runs:
@@ -100,17 +111,104 @@ def run_parity(cfg: RunConfig, repeats: int = 3, timeout_s: float = 600.0) -> di
             },
             "losses": mine[0]["losses"],
         }
-    pairs = [
-        d / f
-        for d, f in zip(
-            out[DEEPSPEED_MATCHED]["median_step_s"], out[FSDP2_MODULES]["median_step_s"], strict=True
-        )
-    ]
+    pairs = decide(out[FSDP2_MODULES]["median_step_s"], out[DEEPSPEED_MATCHED]["median_step_s"])
     return {
         "config": cfg.to_dict(),
         "engines": out,
-        "ratio": {"per_repeat": pairs, "median": statistics.median(pairs)},
+        "ratio": {"per_repeat": list(pairs.ratios), "median": pairs.median},
     }
+
+
+# A gap under this is not called one: the fact sheet puts what prefetch and bucket settings alone move at 5-10%.
+PARITY_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class ParityVerdict:
+    """What interleaved pairs of step times say: DeepSpeed / FSDP2 per pair, and the verdict read off them.
+
+    The interval is the pairs' range [low, high]: it holds the median ratio with probability `coverage`
+    (1 - 2 x 0.5^pairs, the sign test's, whatever the noise's shape). `outcome`: "deepspeed slower" or
+    "fsdp2 slower" when the whole interval lies beyond 1 +- `margin`; "parity" when it lies inside; "noise"
+    when it straddles the margin, so one noisy pair moves the verdict only between neighbouring sentences.
+    """
+
+    ratios: tuple[float, ...]
+    margin: float = PARITY_MARGIN
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def low(self) -> float:
+        return min(self.ratios)
+
+    @property
+    def high(self) -> float:
+        return max(self.ratios)
+
+    @property
+    def coverage(self) -> float:
+        return 1 - 2 * 0.5 ** len(self.ratios)
+
+    @property
+    def outcome(self) -> str:
+        above, below = 1 + self.margin, 1 / (1 + self.margin)
+        if self.low > above:
+            return "deepspeed slower"
+        if self.high < below:
+            return "fsdp2 slower"
+        if below <= self.low and self.high <= above:
+            return "parity"
+        return "noise"
+
+    def sentence(self) -> str:
+        """The verdict in one sentence, with the interval it rests on."""
+        pairs = (
+            f"DeepSpeed / FSDP2 {self.median:.2f}x (median of {len(self.ratios)} interleaved pairs; the pairs "
+            f"run from {self.low:.2f}x to {self.high:.2f}x, a range that holds the median with "
+            f"{self.coverage:.0%} confidence)"
+        )
+        if self.outcome == "parity":
+            return f"{pairs}: every pair within {self.margin:.0%}, so parity holds on this machine to within that."
+        if self.outcome == "noise":
+            return (
+                f"{pairs}: within the noise of this machine, the pairs agreeing neither on a gap beyond "
+                f"{self.margin:.0%} nor on one inside it."
+            )
+        slower = "DeepSpeed's" if self.outcome == "deepspeed slower" else "FSDP2's"
+        return (
+            f"{pairs}: {slower} step was longer in every pair, by more than the {self.margin:.0%} this lab calls "
+            "a difference, so at matched bytes parity does NOT hold on this machine."
+        )
+
+
+def decide(
+    fsdp2_step_s: Sequence[float], deepspeed_step_s: Sequence[float], margin: float = PARITY_MARGIN
+) -> ParityVerdict:
+    """The verdict on step times (s) measured in interleaved pairs: the i-th of each list ran side by side."""
+    if not fsdp2_step_s or len(fsdp2_step_s) != len(deepspeed_step_s):
+        raise ValueError(
+            f"{len(fsdp2_step_s)} FSDP2 and {len(deepspeed_step_s)} DeepSpeed step times: pass one of each per pair"
+        )
+    return ParityVerdict(tuple(d / f for f, d in zip(fsdp2_step_s, deepspeed_step_s, strict=True)), margin)
+
+
+def faster(step_s: dict[str, float], margin: float = PARITY_MARGIN) -> str | None:
+    """Of two runs, {label: step s}, the one whose step is shorter by more than `margin`; None when neither is
+    (one run each: a pair within the margin is even, not a ranking)."""
+    (a, a_s), (b, b_s) = step_s.items()
+    if a_s * (1 + margin) < b_s:
+        return a
+    if b_s * (1 + margin) < a_s:
+        return b
+    return None
+
+
+def parity_verdict(result: dict[str, Any], margin: float = PARITY_MARGIN) -> ParityVerdict:
+    """The verdict on `run_parity`'s pairs (DeepSpeed matched / FSDP2 at module units), at `margin`."""
+    return ParityVerdict(tuple(result["ratio"]["per_repeat"]), margin)
 
 
 def parity_table(result: dict[str, Any]) -> str:
@@ -125,5 +223,9 @@ def parity_table(result: dict[str, Any]) -> str:
             f"{row['step_s'] * 1e3:>8.1f} {row['spread']:>6.2f} {phases['forward'] * 1e3:>7.1f} "
             f"{phases['backward'] * 1e3:>7.1f} {phases['optimizer'] * 1e3:>7.1f}"
         )
-    lines.append(f"deepspeed matched / fsdp2 module units: {result['ratio']['median']:.2f} (median of pairs)")
+    ratios = result["ratio"]["per_repeat"]
+    lines.append(
+        f"deepspeed matched / fsdp2 module units: {result['ratio']['median']:.2f} (median of {len(ratios)} pairs, "
+        f"from {min(ratios):.2f} to {max(ratios):.2f})"
+    )
     return "\n".join(lines)
