@@ -4,10 +4,12 @@
 
 For a machine with a GPU (about two minutes on one). Two parts, both medians of interleaved repetitions,
 in milliseconds:
-1. step time of scratch / fsdp2 / deepspeed / ddp on `small` (fp32 and bf16), with the ratio to fsdp2:
-   every (engine, dtype, repetition) run in ONE launch (`loop.run_many`), one rank per visible GPU up to 4
-   (world size 1 on one GPU: the collectives are then device copies, so this times the engines' own
-   overhead, not a network);
+1. step time and MFU of scratch / fsdp2 / deepspeed / ddp on `gpt-125m` (`--model gpt-1b` for the ~1B one;
+   fp32 and bf16), with the ratio to fsdp2: every (engine, dtype, repetition) run in ONE launch
+   (`loop.run_many`), one rank per visible GPU up to 4 (world size 1 on one GPU: the collectives are then
+   device copies, so this times the engines' own overhead, not a network). MFU is 6 x params x tokens per
+   step / step time / the GPUs' peak (`budget.model_flops_utilisation`): the datasheet's dense peak for a
+   GPU `DATASHEET_TFLOPS` knows, else a measured matmul's rate, said beside it;
 2. CUDA-stream overlap: an all-gather on a side stream while the default stream multiplies matrices,
    timed with CUDA events: comm alone, compute alone, both together, and the fraction of the shorter one
    hidden ((comm + compute - both) / min(comm, compute); 1.0 = fully overlapped). The compute is sized to
@@ -29,12 +31,39 @@ from sections import write_report  # benchmarks/sections.py (a script's own fold
 
 import labkit
 from labkit import cluster
+from labkit.budget import model_flops_utilisation
 from labkit.engines.base import RunConfig
 from labkit.engines.loop import available_engines, run_many
+from labkit.model import GPT, count_params
+from labkit.model import config as model_config
 from labkit.tables import median_step_s
 
 ENGINES = ("scratch", "fsdp2", "deepspeed", "ddp")
 MATMUL_N = 2048
+# Dense peak TFLOP/s per GPU from the vendors' datasheets (SXM parts): (bf16 tensor cores, fp32 without TF32,
+# torch's default for fp32 matmuls). A GPU not listed is measured instead (`measured_peak_flops`).
+DATASHEET_TFLOPS = {"H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5), "L4": (121.0, 30.3)}
+
+
+def peak_flops(device_name: str, dtype: str) -> tuple[float, str] | None:
+    """(peak FLOP/s of one GPU in `dtype`, where it comes from) from `DATASHEET_TFLOPS`, or None."""
+    for gpu, (bf16, fp32) in DATASHEET_TFLOPS.items():
+        if gpu in device_name.upper():
+            return (bf16 if dtype == "bfloat16" else fp32) * 1e12, f"{gpu} datasheet"
+    return None
+
+
+def measured_peak_flops(dtype: str, n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of n x n matmuls in `dtype` on this GPU, timed with CUDA events (a floor of its real peak)."""
+    a = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
+    a @ a  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ a
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3)
 
 
 def step_times_ms(engines: list[str], cfgs: list[RunConfig], reps: int) -> dict[tuple[str, str], float]:
@@ -87,8 +116,8 @@ def _stream_overlap(numel: int, reps: int) -> dict[str, float]:
     return {**{k: statistics.median(v) for k, v in samples.items()}, "matmuls": matmuls}
 
 
-def benchmark_lines(reps: int, steps: int, model: str = "small") -> list[str]:
-    """The benchmark's Markdown: the step-time table, then the overlap line (both in ms)."""
+def benchmark_lines(reps: int, steps: int, model: str = "gpt-125m") -> list[str]:
+    """The benchmark's Markdown: the step-time and MFU table, then the overlap line (times in ms)."""
     gpus = cluster.visible_gpus() or 1
     world_size = min(gpus, 4)
     engines = [e for e in ENGINES if e in available_engines()]
@@ -96,17 +125,31 @@ def benchmark_lines(reps: int, steps: int, model: str = "small") -> list[str]:
         RunConfig(model=model, world_size=world_size, steps=steps, dtype=d) for d in ("float32", "bfloat16")
     ]
     times = step_times_ms(engines, cfgs, reps)
+    shape = model_config(model)
+    with torch.device("meta"):  # counted without allocating a 1B model's weights
+        params = count_params(GPT(shape))
+    tokens = shape.global_batch * shape.seq_len
     lines = [
-        f"## Step time, {model}, {world_size} rank(s) on {world_size} GPU(s), NCCL (median ms per step; ratio to "
-        "fsdp2)",
+        f"## Step time and MFU, {model} ({params:,} params, {tokens:,} tokens per step), {world_size} rank(s) "
+        f"on {world_size} GPU(s), NCCL (median ms per step, MFU; ratio to fsdp2)",
         "",
-        "| model | dtype | " + " | ".join(engines) + " | scratch/fsdp2 |",
-        "|---|---|" + "---|" * len(engines) + "---|",
+        "| model | dtype | peak per GPU | " + " | ".join(engines) + " | scratch/fsdp2 |",
+        "|---|---|---|" + "---|" * len(engines) + "---|",
     ]
     for cfg in cfgs:
-        cells = " | ".join(f"{times[(e, cfg.dtype)]:.1f}" for e in engines)
+        peak, source = peak_flops(torch.cuda.get_device_name(0), cfg.dtype) or (
+            measured_peak_flops(cfg.dtype),
+            "measured matmul",
+        )
+        cells = " | ".join(
+            f"{times[(e, cfg.dtype)]:.1f} ms, MFU "
+            f"{model_flops_utilisation(params, tokens, times[(e, cfg.dtype)] / 1e3, peak * world_size):.1%}"
+            for e in engines
+        )
         ratio = times[("scratch", cfg.dtype)] / times[("fsdp2", cfg.dtype)]
-        lines.append(f"| {model} | {cfg.dtype} | {cells} | {ratio:.2f} |")
+        lines.append(
+            f"| {model} | {cfg.dtype} | {peak / 1e12:.0f} TFLOP/s ({source}) | {cells} | {ratio:.2f} |"
+        )
     numel = 16 * 2**20  # 64 MB of fp32 per rank
     ms = labkit.launch(_stream_overlap, world_size, numel, max(reps, 5))[0]
     hidden = (ms["comm"] + ms["compute"] - ms["both"]) / min(ms["comm"], ms["compute"])
@@ -123,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results-gpu.md")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--model", default="gpt-125m", help="gpt-125m, gpt-1b, or any model of labkit.model")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA device here; run it on a machine with a GPU", file=sys.stderr)
@@ -132,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# GPU benchmark ({time.strftime('%Y-%m-%d')}, {name}, torch {torch.__version__}, "
         f"CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))})",
         "",
-        *benchmark_lines(args.reps, args.steps),
+        *benchmark_lines(args.reps, args.steps, args.model),
     ]
     write_report(args.out, lines)
     return 0

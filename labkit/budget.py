@@ -1040,6 +1040,14 @@ MACHINE_KEYS = ("compute_flops_per_s", "core_share", "collectives")
 COLLECTIVE_FIT_KEYS = ("latency_s", "gbytes")
 
 
+def model_flops_utilisation(params: float, tokens: float, step_time_s: float, peak_flops: float) -> float:
+    """MFU: the 6 x params x tokens FLOPs a training step needs (forward 2, backward 4 per parameter and
+    token), over the step's time, over the device's peak FLOP/s (a fraction; attention's FLOPs left out)."""
+    if min(params, tokens, step_time_s, peak_flops) <= 0:
+        raise ValueError("params, tokens, step_time_s and peak_flops must all be positive")
+    return 6 * params * tokens / step_time_s / peak_flops
+
+
 def check_machine_profile(profile: dict) -> dict:
     """`profile` (what `labkit calibrate` writes) if it has what a plan prices a step with, else ValueError.
 

@@ -44,9 +44,12 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
     problems: list[str] = []
     versions = _versions(torch.__version__)
     pinned = _pins()
+    torch_note = torch_support(torch.__version__, pinned.get("torch"))
     for name, version in versions.items():
         if version is None:
             problems.append(f"{name} is not installed: {SETUP_ADVICE}")
+        elif name == "torch" and torch_note["runs"]:
+            continue  # a hub's own torch the lab runs on: said in `torch`, not a problem
         elif name in pinned and _release(version) != _release(pinned[name]):
             problems.append(
                 f"{name} {version} is installed but requirements.txt pins {pinned[name]}: {SETUP_ADVICE}"
@@ -98,6 +101,7 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
     return {
         "versions": versions,
         "pinned": pinned,
+        "torch": torch_note,
         "devices": devices,
         "backend": backend,
         "limits": {
@@ -153,6 +157,30 @@ def _shm(problems: list[str], found, notebooks: list[dict[str, Any]]) -> None:
             f"/dev/shm is {found.shm_total_bytes / 1e9:.2f} GB and NCCL's troubleshooting guide asks for 1 GiB for "
             f"the notebooks' GPU ranks: give the server a larger /dev/shm ({limits.SHM_ADVICE})"
         )
+
+
+TORCH_RUNS = ((2, 11), (2, 13))  # the torch releases the lab runs on (a hub's own); the set-up pins one
+
+
+def torch_support(version: str, pin: str | None) -> dict[str, Any]:
+    """Whether the lab runs on torch `version` (`runs`), and a sentence of what that torch changes (`note`)."""
+    release = tuple(int(x) for x in _release(version).split(".")[:2])
+    low, high = TORCH_RUNS
+    if pin is not None and _release(version) == _release(pin):
+        return {"runs": True, "note": f"torch {version}: the release requirements.txt pins"}
+    if not low <= release <= high:
+        return {
+            "runs": False,
+            "note": f"torch {version}: the lab runs on {low[0]}.{low[1]} to {high[0]}.{high[1]}",
+        }
+    note = f"torch {version}, not the pinned {pin or 'release'}: the lab runs on it"
+    if release < (2, 13):
+        note += (
+            "; labkit gives it torch 2.13's all_gather_single / reduce_scatter_single names (the older "
+            "all_gather_into_tensor / reduce_scatter_tensor under them), and its probes rebind the ones "
+            "DeepSpeed's comm backend holds by reference, which 2.13's deprecated names reach anyway"
+        )
+    return {"runs": True, "note": note}
 
 
 def _versions(torch_version: str) -> dict[str, str | None]:
@@ -317,6 +345,7 @@ def format_report(report: dict[str, Any]) -> str:
     lim = report["limits"]
     rows = [(name, version or "not installed") for name, version in v.items()]
     rows += [
+        ("torch support", report["torch"]["note"]),
         ("devices", f"{report['devices']['summary']} ({report['devices']['cpu_cores']} cpu cores)"),
         (
             "backend",

@@ -69,3 +69,32 @@ def test_readme_performance_quotes_the_benchmark_results():
         assert f"{ratio}x on `{model}`" in section, model
     assert f"{figures['probes']}% of the bare step" in section
     assert f"{figures['course_s']} s (target < 600 s)" in section
+
+
+def test_the_gpu_model_family_and_its_mfu_arithmetic_on_the_cpu():
+    """gpt-125m and gpt-1b are the lab's GPT at GPU sizes (counted on the meta device), gpt-125m trains a
+    step on the CPU on a slice of its batch, and MFU is 6 N T / step / peak with the datasheet's peak."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu import DATASHEET_TFLOPS, peak_flops
+
+    from labkit.budget import model_flops_utilisation
+    from labkit.engines.base import RunConfig
+    from labkit.engines.single import SingleEngine
+    from labkit.model import GPT, batch, build_model, config, count_params
+
+    with torch.device("meta"):
+        sizes = {name: count_params(GPT(config(name))) for name in ("gpt-125m", "gpt-1b")}
+    assert 120e6 < sizes["gpt-125m"] < 130e6 and 0.95e9 < sizes["gpt-1b"] < 1.1e9, sizes
+    engine = SingleEngine(build_model("gpt-125m"), RunConfig(model="gpt-125m"), torch.device("cpu"))
+    tokens, targets = batch(0, "gpt-125m")
+    losses = []
+    for _ in range(2):  # one sequence of 32 tokens: a CPU step of a GPU-sized model
+        loss = engine.forward_loss(tokens[:1, :32], targets[:1, :32])
+        engine.backward(loss)
+        engine.optimizer_step()
+        losses.append(loss.item())
+    assert losses[1] < losses[0], losses
+    assert peak_flops("NVIDIA H200", "bfloat16") == (DATASHEET_TFLOPS["H200"][0] * 1e12, "H200 datasheet")
+    assert peak_flops("Some Other GPU", "float32") is None  # measured instead
+    # the fact sheet's case: 6 x 30e9 x 16,384 FLOPs in 7.4 s on a 989 TFLOP/s GPU is about 40% MFU
+    assert model_flops_utilisation(30e9, 16384, 7.45, 989e12) == pytest.approx(0.40, abs=0.005)

@@ -326,3 +326,17 @@ def test_container_limits_bound_the_doctors_ranks(monkeypatch):
     assert report["limits"]["ranks_bound_by"] == (
         "the memory limit MEM_LIMIT=1.5 GB allows 2 cpu ranks of about 500 MiB each"
     )
+
+
+def test_a_hubs_own_torch_2_11_runs_and_the_doctor_says_what_it_changes(monkeypatch):
+    """The H200 hub had torch 2.11: not a problem, one row saying what labkit does for it; 2.9 is one."""
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    report = doctor.diagnose(smoke=False)
+    assert report["torch"]["runs"] and not any(p.startswith("torch ") for p in report["problems"])
+    assert "all_gather_single / reduce_scatter_single names" in report["torch"]["note"]
+    assert "torch support" in doctor.format_report(report)
+    old = doctor.torch_support("2.9.0", "2.13.0")
+    assert not old["runs"] and old["note"] == "torch 2.9.0: the lab runs on 2.11 to 2.13"
+    assert doctor.torch_support("2.13.0+cpu", "2.13.0")["note"].endswith("the release requirements.txt pins")

@@ -349,3 +349,26 @@ def test_deterministic_budget_cells_reproduce_under_nbval(executed, tmp_path):
         cwd=NOTEBOOKS, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_04_on_a_node_without_libaio_prints_the_refusal_and_goes_on(monkeypatch, capsys):
+    """The NVMe cell with DeepSpeed's async_io op unavailable (a hub image without libaio): one sentence, no
+    run, no exception, so papermill carries on with the rest of 04."""
+    from labkit import prebuild
+    from labkit.engines import loop
+    from labkit.engines.base import RunConfig
+
+    nb = nbformat.read(ROOT / "notebooks" / "04_offload.ipynb", as_version=4)
+    [cell] = [c for c in nb.cells if "refuse_nvme_without_async_io" in c.source]
+    monkeypatch.setattr(
+        prebuild, "op_status", lambda name, ext_dir=None: prebuild.OpStatus(name, "skipped", "", "", [])
+    )
+    monkeypatch.setattr(
+        loop, "run_many", lambda *a, **k: pytest.fail("the NVMe run started without async_io")
+    )
+    exec(cell.source, {"RunConfig": RunConfig, "world_size": 2})
+    said = capsys.readouterr().out.splitlines()[-1]  # after DeepSpeed's own line on importing
+    assert said.startswith(
+        "ZeRO-Infinity is not run on this node: offload='nvme' needs DeepSpeed's async_io op, "
+        "and libaio is not installed"
+    ), said
