@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit import budget
+from labkit.engines import ENGINES
 from labkit.engines.base import RunConfig
 from labkit.model import batch, build_model, config, count_params
 
@@ -35,9 +36,6 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 PAYLOAD_BYTES = (96_000, 960_000, 3_840_000, 9_600_000)  # full tensors; fp32 elements divisible by 2, 3, 4
 COMPUTE_STEPS = 4  # timed training steps per measurement, after one warm-up step
 COLLECTIVE_REPS = 5  # timed calls per kind and size, after one warm-up call
-# The budget strategy each engine's step follows (`predicted_step_s`).
-ENGINE_STRATEGY = {"single": "ddp", "ddp": "ddp", "scratch": "zero3", "fsdp1": "zero3", "fsdp2": "zero3",
-                   "deepspeed": "zero3"}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ the fit
@@ -169,11 +167,12 @@ def plan_options(engine: str, cfg: RunConfig, profile: dict) -> tuple[int, str, 
     (the scratch engine's root split in two: `root_units=2`). FSDP2 on gloo ranks is priced without
     prefetch: with no separate stream to run its all-gathers on, it overlaps almost none of them
     (measured: on `small` at 2 ranks the emulated link adds about 85% of its time to FSDP2's step; 03
-    shows its timeline).
+    shows its timeline). The strategy is the engine's registry row's (`labkit.engines.ENGINES`).
     """
-    if engine not in ENGINE_STRATEGY:
-        raise ValueError(f"engine {engine!r} has no budget strategy; use one of {', '.join(ENGINE_STRATEGY)}")
-    n = 1 if engine == "single" else cfg.world_size
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} has no budget strategy; use one of {', '.join(ENGINES)}")
+    spec = ENGINES[engine]
+    n = 1 if spec.single_rank else cfg.world_size
     model_cfg = config(cfg.model)
     link = cfg.link_gbytes or math.inf
     options = {
@@ -189,7 +188,7 @@ def plan_options(engine: str, cfg: RunConfig, profile: dict) -> tuple[int, str, 
         from labkit.engines.scratch import split_root
 
         options["root_units"] = 2 if split_root(cfg) else 1  # its input and output units
-    return n, ENGINE_STRATEGY[engine], options
+    return n, spec.strategy, options
 
 
 def _on_gloo(profile: dict) -> bool:

@@ -181,11 +181,7 @@ def run(args: argparse.Namespace) -> int:
             f"{global_batch} sequences of model {args.model!r}; pass one of {divisors}"
         )
     limit, why = rank_limit()
-    if (
-        launched is None
-        and args.world_size > limit
-        and any(e not in loop.SINGLE_RANK_ENGINES for e in args.engines)
-    ):
+    if launched is None and args.world_size > limit and any(not ENGINES[e].single_rank for e in args.engines):
         raise UsageError(
             f"labkit compare: --world-size {args.world_size} but {why}; pass --world-size <= {limit}"
         )

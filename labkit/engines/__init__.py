@@ -1,6 +1,9 @@
 """The engines: one module per name, each `build(cfg, model, rank_info) -> Engine` (see `base.py`).
 
-`ENGINES` is here, with no torch import, so the CLI can list the names without loading torch.
+`ENGINES` (name -> `EngineSpec`, from `registry.py`) is here, with no torch import, so the CLI can list
+the names without loading torch.
 """
 
-ENGINES = ("single", "ddp", "scratch", "fsdp1", "fsdp2", "deepspeed")
+from labkit.engines.registry import ENGINES, EngineSpec
+
+__all__ = ["ENGINES", "EngineSpec"]

@@ -23,7 +23,6 @@ from labkit.engines.single import SingleEngine, state_tensors
 
 NAME = "ddp"
 OPTIONS = ("activation_checkpointing",)  # the cfg.options keys it honours
-SETTINGS = ()  # no prefetch, resharding or offload: DDP keeps everything whole
 
 
 class DdpEngine(SingleEngine):

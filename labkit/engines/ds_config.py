@@ -77,8 +77,6 @@ ACTIVATION_CHECKPOINTING_REFUSAL = (
 # activation_checkpointing is read to be refused with its own sentence.
 OPTIONS = (*ZERO_PLUS_PLUS_FLAGS, "ds_mode", "offload_param", "nvme_path", "zero_overrides", "comms_logger",
            "z3_leaf_blocks", "activation_checkpointing")  # fmt: skip
-# The RunConfig settings it reads: offload only; its prefetch and resharding are ZeRO-3 knobs (zero_overrides).
-SETTINGS = ("offload",)
 MODES = ("fair", "defaults")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 

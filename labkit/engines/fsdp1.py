@@ -66,7 +66,6 @@ from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, in_categories
 
 NAME = "fsdp1"
 OPTIONS = ("hsdp_shard_size", "prefetch_depth", "reshard_after_forward")  # the cfg.options keys it honours
-SETTINGS = ("prefetch", "reshard_after_forward", "offload")  # the RunConfig settings it reads
 
 
 def check(cfg: RunConfig, world_size: int, device_type: str | None = None) -> int:

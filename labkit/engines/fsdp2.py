@@ -62,7 +62,6 @@ OPTIONS = (
     "reshard_after_forward",
     "activation_checkpointing",
 )  # the cfg.options keys it honours
-SETTINGS = ("prefetch", "reshard_after_forward", "offload")  # the RunConfig settings it reads
 
 
 def shard_kwargs(cfg: RunConfig, mesh: DeviceMesh) -> dict[str, Any]:

@@ -8,9 +8,10 @@ called on each rank inside an initialised default process group, with the lab's 
 (`build_model(cfg.model, cfg.seed)`) and `RankInfo` (rank, world size, device, backend). `build` may wrap,
 shard or move `model`, but must keep training the same `model.blocks[i]` objects (the loop hooks their
 forward for the timeline). The returned object follows `labkit.engines.base.Engine`. Engines are imported
-lazily by name (`ENGINES`), so `deepspeed` is imported only for the deepspeed engine. An object with that
-`build` method may stand in for a name (`EngineBuilder`: the build-along's `labkit.build.Learner`). `single`
-runs on one rank with the global batch; every other engine on `cfg.world_size` ranks, each with its slice.
+lazily by name (their row of `labkit.engines.registry.ENGINES`), so `deepspeed` is imported only for the
+deepspeed engine. An object with that `build` method may stand in for a name (`EngineBuilder`: the
+build-along's `labkit.build.Learner`). A single-rank engine (`single`) runs on one rank with the global
+batch; every other engine on `cfg.world_size` ranks, each with its slice.
 
 Rank side (`train_rank`): install the probes -> build the engine -> barrier and zero the clocks -> per step:
 batch, forward / backward / optimizer spans, local loss, step time, comm of the step; then one more step
@@ -44,7 +45,6 @@ from labkit.engines.base import ENGINES, Engine, RankInfo, RunConfig
 from labkit.model import batch, build_model, config, count_params
 from labkit.probes import Probes, state_bytes, state_bytes_by_device
 
-SINGLE_RANK_ENGINES = ("single",)  # run on one rank with the global batch
 TIMELINE_STEPS = 2  # the last steps whose events `run` keeps
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -60,7 +60,15 @@ class EngineUnavailable(ValueError):
 
 
 def engine_module_name(name: str) -> str:
-    return f"labkit.engines.{name}"
+    """The module that builds engine `name` (its registry row's `module`)."""
+    return ENGINES[name].module
+
+
+def single_rank(engine: str | EngineBuilder) -> bool:
+    """Whether `engine` runs on one rank with the global batch (an engine object, or a name `validate`
+    refuses, does not)."""
+    spec = ENGINES.get(engine) if isinstance(engine, str) else None
+    return spec is not None and spec.single_rank
 
 
 def available_engines() -> list[str]:
@@ -70,7 +78,7 @@ def available_engines() -> list[str]:
 
 def ranks_for(engine: str, cfg: RunConfig) -> int:
     """How many ranks `engine` runs on for `cfg` (ranks)."""
-    return 1 if engine in SINGLE_RANK_ENGINES else cfg.world_size
+    return 1 if single_rank(engine) else cfg.world_size
 
 
 def validate(engines: Sequence[str], cfg: RunConfig) -> None:
@@ -104,7 +112,7 @@ def validate(engines: Sequence[str], cfg: RunConfig) -> None:
         raise ValueError(f"dtype={cfg.dtype!r}: pass 'float32' or 'bfloat16'")
     if cfg.offload not in ("none", "cpu", "nvme"):
         raise ValueError(f"offload={cfg.offload!r}: pass 'none', 'cpu' or 'nvme'")
-    if cfg.offload == "nvme" and set(engines) - {"deepspeed", *SINGLE_RANK_ENGINES}:
+    if cfg.offload == "nvme" and any(e != "deepspeed" and not single_rank(e) for e in engines):
         raise ValueError(
             "offload='nvme' is DeepSpeed's ZeRO-Infinity: only the deepspeed engine swaps to files; "
             "run the others with offload='cpu'"
@@ -122,12 +130,12 @@ def check_options(engines: Sequence[str], cfg: RunConfig) -> None:
 
     Each engine is given only the options it honours (`options_for`), and its record says which; an option
     that none of the engines honours is refused. The checks are read from each engine's light module
-    (`CHECKS`), so validating imports neither DeepSpeed nor FSDP1.
+    (its registry row's `checks_module`), so validating imports neither DeepSpeed nor FSDP1.
     """
     honoured: set[str] = set()
     for name in engines:
-        checks = importlib.import_module(CHECKS.get(name, engine_module_name(name)))
-        honoured |= set(getattr(checks, "OPTIONS", ()))
+        checks = importlib.import_module(ENGINES[name].checks_module)
+        honoured |= set(checks.OPTIONS)
         if hasattr(checks, "check_run"):
             checks.check_run(options_for(name, cfg))
     check_settings(engines, cfg)
@@ -143,7 +151,7 @@ def check_options(engines: Sequence[str], cfg: RunConfig) -> None:
         )
 
 
-# The RunConfig settings that only some engines read (each engine module's SETTINGS), with the flag of
+# The RunConfig settings that only some engines read (each registry row's `settings`), with the flag of
 # `labkit compare` that sets each away from its default.
 SETTING_FLAGS = {"prefetch": "--no-prefetch", "reshard_after_forward": None, "offload": "--offload"}
 
@@ -157,7 +165,7 @@ def check_settings(engines: Sequence[str], cfg: RunConfig) -> None:
         value = getattr(cfg, setting)
         if value == getattr(default, setting):
             continue
-        others = [e for e in engines if e not in SINGLE_RANK_ENGINES]
+        others = [e for e in engines if not single_rank(e)]
         if not others or any(setting in engine_settings(e) for e in others):
             continue
         readers = ", ".join(e for e in ENGINES if setting in engine_settings(e))
@@ -168,18 +176,13 @@ def check_settings(engines: Sequence[str], cfg: RunConfig) -> None:
 
 
 def engine_settings(name: str) -> tuple[str, ...]:
-    """The RunConfig settings of `SETTING_FLAGS` that engine `name` reads (its light module's SETTINGS)."""
-    return tuple(getattr(importlib.import_module(CHECKS.get(name, engine_module_name(name))), "SETTINGS", ()))
-
-
-# Where each engine's OPTIONS and check_run live, when not in the engine's own module (which imports a
-# library the parent should not load just to validate arguments).
-CHECKS = {"deepspeed": "labkit.engines.ds_config"}
+    """The RunConfig settings of `SETTING_FLAGS` that engine `name` reads (its registry row's `settings`)."""
+    return ENGINES[name].settings
 
 
 def engine_options(name: str) -> tuple[str, ...]:
-    """The `cfg.options` keys engine `name` honours (its module's, or its checks module's, OPTIONS)."""
-    return tuple(getattr(importlib.import_module(CHECKS.get(name, engine_module_name(name))), "OPTIONS", ()))
+    """The `cfg.options` keys engine `name` honours (the `OPTIONS` of its row's `checks_module`)."""
+    return tuple(importlib.import_module(ENGINES[name].checks_module).OPTIONS)
 
 
 def options_for(engine: str | EngineBuilder, cfg: RunConfig) -> RunConfig:
@@ -254,7 +257,7 @@ def train_rank(engine: str | EngineBuilder, cfg: RunConfig) -> dict[str, Any]:
     # algorithms, not thread counts; and no OpenMP pool, which hangs in a rank forked from a parent that
     # had used one (a notebook that computed before launching).
     torch.set_num_threads(1)
-    data_world_size, data_rank = (1, 0) if engine in SINGLE_RANK_ENGINES else (info.world_size, info.rank)
+    data_world_size, data_rank = (1, 0) if single_rank(engine) else (info.world_size, info.rank)
     nodes = cluster.rank_nodes()  # before the probes are installed: not counted
     probes = Probes(info.rank, info.device, nodes=nodes)
 
@@ -375,7 +378,7 @@ def run(engine: str | EngineBuilder, cfg: RunConfig, timeout_s: float = DEFAULT_
     """
     validate([engine], cfg)
     launched = cluster.launcher_world_size()
-    if launched is not None and engine in SINGLE_RANK_ENGINES:
+    if launched is not None and single_rank(engine):
         # Under torchrun every rank exists already: each runs the oracle on the global batch (the same
         # numbers on every rank, no collective inside a step) and rank 0's record is the engine's.
         return merge_ranks(labkit.launch(train_rank, launched, engine, cfg)[:1], cfg.steps)

@@ -39,7 +39,6 @@ OPTIONS = (
     "split_root",
     "prefetch_depth",
 )  # cfg.options it honours
-SETTINGS = ("prefetch", "reshard_after_forward", "offload")  # the RunConfig settings it reads
 
 
 def check_run(cfg: RunConfig) -> None:

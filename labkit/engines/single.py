@@ -17,7 +17,6 @@ from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 
 NAME = "single"
 OPTIONS = ("activation_checkpointing",)  # the cfg.options keys it honours
-SETTINGS = ()  # the RunConfig settings it reads beyond the shared ones (loop.SETTING_FLAGS)
 
 
 class SingleEngine(ModelEngine):
