@@ -48,12 +48,12 @@ CONFIGS: dict[str, ModelConfig] = {
     # For benchmarks: about 14M parameters.
     "small": ModelConfig(vocab_size=4096, d_model=384, n_heads=6, n_layers=6, seq_len=96, global_batch=12),
     # For a GPU hub (benchmarks/gpu.py's MFU): a GPT-2-small-like ~124M model and a ~1B one, the same code
-    # path as tiny; far too big for a CPU step at their batch, too small to leave an H200 waiting on launches.
+    # path as tiny (12 sequences a step: 2, 3 and 4 ranks divide it); far too big for a CPU step at their batch.
     "gpt-125m": ModelConfig(
-        vocab_size=24576, d_model=768, n_heads=12, n_layers=12, seq_len=1024, global_batch=8
+        vocab_size=24576, d_model=768, n_heads=12, n_layers=12, seq_len=1024, global_batch=12
     ),
     "gpt-1b": ModelConfig(
-        vocab_size=24576, d_model=2048, n_heads=16, n_layers=18, seq_len=1024, global_batch=8
+        vocab_size=24576, d_model=2048, n_heads=16, n_layers=18, seq_len=1024, global_batch=12
     ),
     # Hugging Face Transformers models (labkit.hf), random weights from a config: GPT-2 ties its head to
     # the token embedding; Llama has RMSNorm, rotary buffers, grouped-query attention and an untied head.

@@ -18,7 +18,7 @@ from labkit import classroom, cluster, doctor, limits, prebuild
 from labkit.cli import main
 
 KEYS = {"versions", "pinned", "devices", "backend", "limits", "max_ranks", "max_ranks_by_device", "notebooks",
-        "toolchain", "deepspeed_ops", "ninja", "kernel", "smoke_test", "problems", "ok"}  # fmt: skip
+        "toolchain", "deepspeed_ops", "ninja", "kernel", "smoke_test", "problems", "ok", "torch"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
