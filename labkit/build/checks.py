@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit.build.scaffold import Learner, Pieces, attach
-from labkit.build.stubs import unwritten
-from labkit.build.verdicts import CheckResult, verdict
+from labkit.build.verdicts import CheckResult, launched, verdict
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
@@ -102,20 +101,9 @@ def run_checks(
         else:
             runnable.append(i)
     if runnable:
-        try:
-            ranks = labkit.launch(
-                _rank_cases, world_size, [cases[i] for i in runnable], model, steps, timeout=TIMEOUT_S
-            )
-        except labkit.LaunchTimeout as e:
-            doing = "; ".join(f"rank {r}: {d}" for r, d in sorted(e.doing.items()))
-            sentence = (
-                f"the ranks did not finish in {TIMEOUT_S:.0f} s ({doing}): a collective that not every rank "
-                "calls, or calls with other sizes, waits forever"
-            )
-            ranks = None
-        except labkit.LaunchError as e:
-            sentence = unwritten(e) or f"the ranks failed before reporting ({str(e).splitlines()[0]})"
-            ranks = None
+        ranks, sentence = launched(
+            _rank_cases, world_size, [cases[i] for i in runnable], model, steps, timeout_s=TIMEOUT_S
+        )
         for j, i in enumerate(runnable):
             step = cases[i][0]
             if ranks is None:

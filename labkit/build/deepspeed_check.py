@@ -20,9 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import labkit
 from labkit.build.stubs import raised, unwritten
-from labkit.build.verdicts import LOSS_RTOL, CheckResult
+from labkit.build.verdicts import LOSS_RTOL, CheckResult, launched
 from labkit.engines import deepspeed as ds_engine
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
@@ -75,27 +74,21 @@ def run_deepspeed_checks(
         else:
             results[i] = [said]
     if ready:
-        try:
-            ranks = labkit.launch(
-                _rank_cases, world_size, [(c, fn) for _, c, _, fn in ready], model, steps, timeout=TIMEOUT_S
-            )
-            for j, (i, configs, said, _) in enumerate(ready):
-                runs = [[r["cases"][j][k] for r in ranks] for k in range(len(thresholds))]
-                results[i] = [
-                    said,
-                    *_verdicts(runs, ranks[0]["single"], configs, thresholds, model, world_size),
-                ]
-        except labkit.LaunchTimeout:
-            failed = (
-                f"the ranks did not finish in {TIMEOUT_S:.0f} s: a collective that not every rank calls waits "
-                "forever (does train_step do the same on every rank?)"
-            )
-            for i, *_ in ready:
+        ranks, failed = launched(
+            _rank_cases,
+            world_size,
+            [(c, fn) for _, c, _, fn in ready],
+            model,
+            steps,
+            timeout_s=TIMEOUT_S,
+            question="does train_step do the same on every rank?",
+        )
+        for j, (i, configs, said, _) in enumerate(ready):
+            if ranks is None:
                 results[i] = [CheckResult("train_step", False, failed)]
-        except labkit.LaunchError as e:
-            failed = unwritten(e) or f"the ranks failed before reporting ({str(e).splitlines()[0]})"
-            for i, *_ in ready:
-                results[i] = [CheckResult("train_step", False, failed)]
+                continue
+            runs = [[r["cases"][j][k] for r in ranks] for k in range(len(thresholds))]
+            results[i] = [said, *_verdicts(runs, ranks[0]["single"], configs, thresholds, model, world_size)]
     if not quiet:
         for case in results:
             for result in case:

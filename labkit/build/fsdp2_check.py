@@ -16,10 +16,9 @@ import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-import labkit
 from labkit.budget import padded_numel
 from labkit.build.stubs import raised, unwritten
-from labkit.build.verdicts import LOSS_RTOL, CheckResult, names_of
+from labkit.build.verdicts import LOSS_RTOL, CheckResult, launched, names_of
 from labkit.engines import fsdp2, loop
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
@@ -45,18 +44,19 @@ def run_fully_shard_checks(
     fns: Sequence[Callable], world_size: int = 4, model: str = "tiny", steps: int = 3, quiet: bool = False
 ) -> list[list[CheckResult]]:
     """Several learners' functions in ONE launch, in order; each case's results printed unless `quiet`."""
-    try:
-        ranks = labkit.launch(_rank_cases, world_size, list(fns), model, steps, timeout=TIMEOUT_S)
+    ranks, failed = launched(
+        _rank_cases,
+        world_size,
+        list(fns),
+        model,
+        steps,
+        timeout_s=TIMEOUT_S,
+        question="does every rank make the same fully_shard calls?",
+    )
+    if ranks is None:
+        cases = [[CheckResult("fully_shard", False, failed)] for _ in fns]
+    else:
         cases = [_verdicts([r[i] for r in ranks], model, world_size) for i in range(len(fns))]
-    except labkit.LaunchTimeout:
-        failed = (
-            f"the ranks did not finish in {TIMEOUT_S:.0f} s: a collective that not every rank calls waits "
-            "forever (does every rank make the same fully_shard calls?)"
-        )
-        cases = [[CheckResult("fully_shard", False, failed)] for _ in fns]
-    except labkit.LaunchError as e:
-        failed = unwritten(e) or f"the ranks failed before reporting ({str(e).splitlines()[0]})"
-        cases = [[CheckResult("fully_shard", False, failed)] for _ in fns]
     if not quiet:
         for results in cases:
             for result in results:

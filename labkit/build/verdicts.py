@@ -56,6 +56,26 @@ class ModelFacts:
         return d0, -(-d0 // self.n)
 
 
+def launched(
+    fn: Callable, world_size: int, *args, timeout_s: float, question: str = ""
+) -> tuple[list | None, str]:
+    """Every rank's result of `labkit.launch(fn, world_size, *args)`, or None and the one sentence a check says
+    instead: a stub's "write this piece", what each rank was doing when the launch ran past `timeout_s`
+    (with `question`, what the learner should ask of their code), or the first line of the launch's failure."""
+    import labkit
+
+    try:
+        return labkit.launch(fn, world_size, *args, timeout=timeout_s), ""
+    except labkit.LaunchTimeout as e:
+        doing = "; ".join(f"rank {r}: {d}" for r, d in sorted(e.doing.items()))
+        return None, (
+            f"the ranks did not finish in {timeout_s:.0f} s ({doing}): a collective that not every rank calls, "
+            "or calls with other sizes, waits forever" + (f" ({question})" if question else "")
+        )
+    except labkit.LaunchError as e:
+        return None, unwritten(e) or f"the ranks failed before reporting ({str(e).splitlines()[0]})"
+
+
 def verdict(step: str, ranks: list[dict], model: str, n: int, steps: int) -> CheckResult:
     """The result of one case, from every rank's measurements (rank order)."""
     failed = next(((rank, r) for rank, r in enumerate(ranks) if "error" in r), None)

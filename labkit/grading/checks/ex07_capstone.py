@@ -131,28 +131,14 @@ class _FirstGrads:
         }
 
 
-def _storage_bytes(obj, seen: set) -> int:
-    """Bytes of the tensor storages in `obj` (a tensor, or tuples / lists / dicts of them), each counted once."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        key = storage.data_ptr(), storage.nbytes()
-        if key in seen or not key[1]:
-            return 0
-        seen.add(key)
-        return key[1]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (tuple, list)):
-        return sum(_storage_bytes(item, seen) for item in obj)
-    return 0
-
-
 def held_bytes(unit) -> int:
-    """Full-weight bytes `unit` holds now: its parameters' storages and the tensors kept in `unit.pending`."""
-    seen: set = set()
-    return _storage_bytes(list(unit.params), seen) + _storage_bytes(unit.pending, seen)
+    """Full-weight bytes `unit` holds now: its parameters' storages and the tensors kept in `unit.pending`
+    (each storage once; a freed parameter's holds 0 B)."""
+    from labkit.probes.memory import storages
+    from labkit.zero.outputs import output_tensors
+
+    held = {st.data_ptr(): st.nbytes() for st in storages(output_tensors([unit.params, unit.pending]))}
+    return sum(held.values())
 
 
 class _Watch:
