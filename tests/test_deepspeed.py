@@ -267,12 +267,27 @@ def test_config_is_fair_by_default_and_refuses_what_it_cannot_do():
 
 
 def _under_deepspeed_launcher(script) -> str:
-    """Run `script` on 2 CPU ranks under the `deepspeed` launcher; its stdout (it must exit 0)."""
+    """Run `script` on 2 CPU ranks under the `deepspeed` launcher; its stdout (it must exit 0).
+
+    Each run gets a port of its own: DeepSpeed's CPU all-reduce names its /dev/shm buffers after the master
+    port and leaves them behind, so with the launcher's fixed default (29500) every run would map the
+    buffers of the runs before it. They are removed after the run."""
+    import glob
+    import socket
+
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(
-        [launcher, "--num_gpus", "2", str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        done = subprocess.run(
+            [launcher, "--num_gpus", "2", "--master_port", str(port), str(script)],
+            env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+    finally:
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            os.remove(path)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
