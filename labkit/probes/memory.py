@@ -10,7 +10,8 @@ bytes by the device each storage lives on, so an engine that offloads on a GPU s
 baseline live when it started. Both leave out `prior_bytes`, what was live before the run began
 (`note_prior`, called before the model is built): tensors of an earlier run in the same ranks that its
 engine left alive (DeepSpeed and FSDP1 leave their models behind, held by hooks in autograd's C++ side
-that `gc` cannot collect), so each run's figures are its own.
+that `gc` cannot collect), so each run's figures are its own. On CPU ranks those storages are left out by
+identity, so one of them freed during the run (a cache an earlier engine let go) moves neither figure.
 - GPU: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, reset once the garbage of what
   ran before (an earlier engine of `run_many`, held in reference cycles) is collected and the device has
   finished its queued work; the baseline is `memory_allocated` then. The caching allocator's own count:
@@ -117,6 +118,7 @@ class PeakMemory:
         self.start_bytes = 0  # live at `start`: the baseline the peak includes (bytes)
         self.peak_bytes = 0
         self._tracker: _LiveStorages | None = None
+        self._prior: dict[int, weakref.ref] = {}  # CPU: the storages live at `note_prior`, by id
 
     def note_prior(self) -> int:
         """Record what is live now, before the run builds anything; return it (bytes)."""
@@ -125,7 +127,9 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.prior_bytes = torch.cuda.memory_allocated(self.device)
         else:  # each storage once, as `_LiveStorages` counts them (no tracker: nothing is watched yet)
-            self.prior_bytes = sum({id(st): st.nbytes() for st in _reachable_storages()}.values())
+            prior = {id(st): st for st in _reachable_storages()}
+            self._prior = {key: weakref.ref(st) for key, st in prior.items()}
+            self.prior_bytes = sum(st.nbytes() for st in prior.values())
         return self.prior_bytes
 
     def start(self, state_tensors: Iterable[torch.Tensor] = ()) -> None:
@@ -135,10 +139,10 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start_bytes = torch.cuda.memory_allocated(self.device) - self.prior_bytes
             return
-        self._tracker = _LiveStorages()
+        self._tracker = _LiveStorages(skip=self._prior)
         self._tracker.add(_reachable_storages())
         self._tracker.add(storages(state_tensors))
-        self.start_bytes = self._tracker.live_bytes - self.prior_bytes
+        self.start_bytes = self._tracker.live_bytes
         self._tracker.start()
 
     def stop(self) -> int:
@@ -148,7 +152,7 @@ class PeakMemory:
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.prior_bytes
         elif self._tracker is not None:
             self._tracker.stop()
-            self.peak_bytes = self._tracker.peak_bytes - self.prior_bytes
+            self.peak_bytes = self._tracker.peak_bytes
             self._tracker = None
         return self.peak_bytes
 
@@ -161,10 +165,14 @@ def _reachable_storages() -> list[torch.UntypedStorage]:
 
 
 class _LiveStorages(TorchDispatchMode):
-    """Live storage bytes, kept exact by weak references; `peak_bytes` is their maximum so far."""
+    """Live storage bytes, kept exact by weak references; `peak_bytes` is their maximum so far.
 
-    def __init__(self):
+    The storages in `skip` (id -> weak reference, while the reference still points at them) are not counted.
+    """
+
+    def __init__(self, skip: dict[int, weakref.ref] | None = None):
         super().__init__()
+        self._skip = skip or {}
         self.live_bytes = 0
         self.peak_bytes = 0
         self._nbytes: dict[int, int] = {}
@@ -178,6 +186,9 @@ class _LiveStorages(TorchDispatchMode):
 
     def _see(self, st: torch.UntypedStorage) -> None:
         key = id(st)
+        prior = self._skip.get(key)
+        if prior is not None and prior() is st:
+            return
         nbytes = st.nbytes()
         with self._lock:
             old = self._nbytes.get(key)
