@@ -20,8 +20,12 @@ class BuildPyWithCourse(build_py):
             return
         target = Path(self.build_lib) / "labkit" / "_course"
         for folder in (f for f in FOLDERS if Path(f).is_dir()):  # a student release has no solutions/
-            shutil.copytree(Path(folder), target / folder, dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))  # fmt: skip
+            shutil.copytree(
+                Path(folder),
+                target / folder,
+                dirs_exist_ok=True,
+                ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"),
+            )
         for name in (f for f in FILES if Path(f).is_file()):
             shutil.copy2(name, target / name)
 

@@ -84,8 +84,13 @@ def prediction_rows(steps: int, reps: int) -> tuple[list[str], dict]:
     (which sets the link) and again just after; the prediction uses the mean of the two profiles, and the
     table says how far the compute rate moved between them.
     """
-    profiles, rows = {}, ["| ranks | link | engine | measured s | predicted s | predicted/measured | within 20% |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    profiles, rows = (
+        {},
+        [
+            "| ranks | link | engine | measured s | predicted s | predicted/measured | within 20% |",
+            "|---|---|---|---|---|---|---|",
+        ],
+    )
     for n in (2, 4):
         before = profiles[n] = calibrate.calibrate("small", (n,))
         print(calibrate.profile_table(before), flush=True)
@@ -97,15 +102,19 @@ def prediction_rows(steps: int, reps: int) -> tuple[list[str], dict]:
         after = calibrate.calibrate("small", (n,))
         profile = mean_profile(before, after)
         drift = after["compute_flops_per_s"] / before["compute_flops_per_s"] - 1
-        rows.append(f"| {n} | compute rate before / after the runs: {before['compute_flops_per_s'] / 1e9:.1f} / "
-                    f"{after['compute_flops_per_s'] / 1e9:.1f} GFLOP/s ({drift:+.0%}); predicted with their mean "
-                    "| | | | | |")  # fmt: skip
+        rows.append(
+            f"| {n} | compute rate before / after the runs: {before['compute_flops_per_s'] / 1e9:.1f} / "
+            f"{after['compute_flops_per_s'] / 1e9:.1f} GFLOP/s ({drift:+.0%}); predicted with their mean "
+            "| | | | | |"
+        )
         for (engine, cfg), m in zip(runs, measured, strict=True):
             label = next(lbl for lbl, c in configs if c == cfg)
             predicted = calibrate.predicted_step_s(engine, cfg, profile)
             ratio = predicted / m["step_s"]
-            rows.append(f"| {n} | {label} | {engine} | {m['step_s']:.3f} | {predicted:.3f} | {ratio:.2f} | "
-                        f"{verdict(abs(ratio - 1) <= WITHIN)} |")  # fmt: skip
+            rows.append(
+                f"| {n} | {label} | {engine} | {m['step_s']:.3f} | {predicted:.3f} | {ratio:.2f} | "
+                f"{verdict(abs(ratio - 1) <= WITHIN)} |"
+            )
             print(rows[-1], flush=True)
     tables = [f"{n} ranks:\n{calibrate.profile_table(p)}" for n, p in profiles.items()]
     return rows, {"profile": profiles[2], "tables": tables}
@@ -139,11 +148,14 @@ def busy_and_waiting_s(records: list[dict]) -> tuple[float, float]:
 
 
 def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
-    rows = ["2 ranks: the machine profile of the 2-rank runs above sets the link.", "",
-            "| model | link GB/s | variant | step s | / no prefetch | floor's ideal | floor ms (plan) "
-            "| busy / waiting ms | bytes = formula | losses = single | peak MB - no prefetch's "
-            "| gathered peak MB - no prefetch's (budget) | target |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "2 ranks: the machine profile of the 2-rank runs above sets the link.",
+        "",
+        "| model | link GB/s | variant | step s | / no prefetch | floor's ideal | floor ms (plan) "
+        "| busy / waiting ms | bytes = formula | losses = single | peak MB - no prefetch's "
+        "| gathered peak MB - no prefetch's (budget) | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for model, target in PREFETCH_TARGETS.items():
         base = RunConfig(model=model, world_size=2, steps=steps)
         link = half_compute_link(base, profile)
@@ -174,10 +186,12 @@ def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
             busy_s, waiting_s = timing[label]
             depth = cfg.options.get("prefetch_depth", 1)
             gathered = budget.gathered_peak_bytes(unit_bytes(model, cfg), depth, cfg.prefetch) - off_gathered
-            rows.append(f"| {model} | {link:.4f} | {label} | {results[label]['step_s']:.3f} | {ratio:.2f} | "
-                        f"{ideal:.2f} | {floor['floor_s'] * 1e3:.1f} | "
-                        f"{busy_s * 1e3:.0f} / {waiting_s * 1e3:.0f} | {bytes_ok} | {losses_ok} | "
-                        f"{peak / 1e6:+.2f} | {gathered / 1e6:+.2f} | {check} |")  # fmt: skip
+            rows.append(
+                f"| {model} | {link:.4f} | {label} | {results[label]['step_s']:.3f} | {ratio:.2f} | "
+                f"{ideal:.2f} | {floor['floor_s'] * 1e3:.1f} | "
+                f"{busy_s * 1e3:.0f} / {waiting_s * 1e3:.0f} | {bytes_ok} | {losses_ok} | "
+                f"{peak / 1e6:+.2f} | {gathered / 1e6:+.2f} | {check} |"
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -190,21 +204,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     predicted, calibration = prediction_rows(args.steps, args.reps)
-    lines = [f"# The calibrated time model and prefetch to the floor ({time.strftime('%Y-%m-%d')}, "
-             f"{os.cpu_count()} CPUs, CPU gloo)", "", "## The machine (`labkit calibrate`)", "", "```",
-             *calibration["tables"], "```", "",
-             "## Predicted (calibrated `labkit.budget`) against measured median step, `small`", "",
-             *predicted, "",
-             "## Prefetch against the floor, scratch, 2 ranks, emulated link at 0.5 x compute", "",
-             "busy / waiting: per step, what a rank's compute thread spent computing and blocked on collectives "
-             "(`labkit.probes.timeline`, medians over ranks and steps). floor: the collectives with no compute "
-             "beside them (`labkit.budget.exposed_floor`), each priced on the calibrated machine as the longer of "
-             "the link's time and gloo's own. floor's ideal: the no-prefetch run's busy time plus the floor, over "
-             "its step: every other collective hidden, the compute unchanged. On CPU the compute does change: "
-             "gloo's own work runs on the cores beside the compute that hides it (its reduce-scatter is an "
-             "all-reduce inside, the costliest; last section), and busy time grows.", "",
-             *prefetch_rows(calibration["profile"], args.steps, args.reps), "",
-             *gloo_cpu.section_lines(gloo_cpu.measure("small")), ""]  # fmt: skip
+    lines = [
+        f"# The calibrated time model and prefetch to the floor ({time.strftime('%Y-%m-%d')}, "
+        f"{os.cpu_count()} CPUs, CPU gloo)",
+        "",
+        "## The machine (`labkit calibrate`)",
+        "",
+        "```",
+        *calibration["tables"],
+        "```",
+        "",
+        "## Predicted (calibrated `labkit.budget`) against measured median step, `small`",
+        "",
+        *predicted,
+        "",
+        "## Prefetch against the floor, scratch, 2 ranks, emulated link at 0.5 x compute",
+        "",
+        "busy / waiting: per step, what a rank's compute thread spent computing and blocked on collectives "
+        "(`labkit.probes.timeline`, medians over ranks and steps). floor: the collectives with no compute "
+        "beside them (`labkit.budget.exposed_floor`), each priced on the calibrated machine as the longer of "
+        "the link's time and gloo's own. floor's ideal: the no-prefetch run's busy time plus the floor, over "
+        "its step: every other collective hidden, the compute unchanged. On CPU the compute does change: "
+        "gloo's own work runs on the cores beside the compute that hides it (its reduce-scatter is an "
+        "all-reduce inside, the costliest; last section), and busy time grows.",
+        "",
+        *prefetch_rows(calibration["profile"], args.steps, args.reps),
+        "",
+        *gloo_cpu.section_lines(gloo_cpu.measure("small")),
+        "",
+    ]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines.append(
         f"Load average as it ended (1, 5, 15 min): {load}; wall {time.perf_counter() - start:.0f} s."

@@ -66,9 +66,13 @@ def measure(model: str = "small", reps: int = 9) -> dict:
 
 def section_lines(result: dict) -> list[str]:
     wire = collective_wire_bytes("reduce_scatter", 4 * result["numel"], RANKS)  # the same for all three
-    rows = [f"{SECTION} (one block of `{result['model']}`, {result['numel']:,} fp32 elements, {RANKS} ranks; "
-            f"{wire / 1e6:.2f} MB on the wire per rank for each; rank 0, medians)", "",
-            "| collective | wall ms | CPU ms (every thread of the rank) |", "|---|---|---|"]  # fmt: skip
+    rows = [
+        f"{SECTION} (one block of `{result['model']}`, {result['numel']:,} fp32 elements, {RANKS} ranks; "
+        f"{wire / 1e6:.2f} MB on the wire per rank for each; rank 0, medians)",
+        "",
+        "| collective | wall ms | CPU ms (every thread of the rank) |",
+        "|---|---|---|",
+    ]
     for name, (wall_s, cpu_s) in result["calls"].items():
         rows.append(f"| {name} | {wall_s * 1e3:.2f} | {cpu_s * 1e3:.2f} |")
     return rows

@@ -154,10 +154,14 @@ def benchmark_lines(reps: int, steps: int, model: str = "gpt-125m") -> list[str]
     ms = labkit.launch(_stream_overlap, world_size, numel, max(reps, 5))[0]
     hidden = (ms["comm"] + ms["compute"] - ms["both"]) / min(ms["comm"], ms["compute"])
     copy = "NCCL's local copy on one GPU" if world_size == 1 else f"over {world_size} GPUs"
-    lines += ["", f"## CUDA-stream overlap (all-gather of {numel * 4 * world_size // 2**20} MiB, {copy}; "
-              f"{ms['matmuls']} matmuls {MATMUL_N}^3 sized to it)", "",
-              f"comm alone {ms['comm']:.2f} ms, compute alone {ms['compute']:.2f} ms, both {ms['both']:.2f} ms: "
-              f"{hidden:.0%} of the shorter one hidden"]  # fmt: skip
+    lines += [
+        "",
+        f"## CUDA-stream overlap (all-gather of {numel * 4 * world_size // 2**20} MiB, {copy}; "
+        f"{ms['matmuls']} matmuls {MATMUL_N}^3 sized to it)",
+        "",
+        f"comm alone {ms['comm']:.2f} ms, compute alone {ms['compute']:.2f} ms, both {ms['both']:.2f} ms: "
+        f"{hidden:.0%} of the shorter one hidden",
+    ]
     return lines
 
 

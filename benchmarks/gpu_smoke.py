@@ -214,8 +214,14 @@ def _rank_collectives() -> dict[str, Any]:
     names: list[Any] = [None] * n
     dist.all_gather_object(names, torch.cuda.get_device_name(info.device))
     dist.barrier()
-    return {"backend": info.backend, "device": str(info.device), "cpu": on_cpu.item(), "cuda": on_cuda.item(),
-            "cuda_tensor_device": str(on_cuda.device), "names": names}  # fmt: skip
+    return {
+        "backend": info.backend,
+        "device": str(info.device),
+        "cpu": on_cpu.item(),
+        "cuda": on_cuda.item(),
+        "cuda_tensor_device": str(on_cuda.device),
+        "names": names,
+    }
 
 
 def check_collectives(world_size: int) -> str:
@@ -319,30 +325,69 @@ def _helper_table(cfg, tmp: str) -> list[tuple[str, Any, Any, bool]]:
 
     return [
         ("00 all_gather_single / reduce_scatter_single", _gather_and_scatter, gathered, True),
-        ("scratch.hook_trace", lambda: scratch.hook_trace("tiny", 1),
-         lambda t: _expect({m for _, m, _ in t} >= {"before_forward", "after_grad"}, f"{len(t)} moments"), True),
-        ("fsdp2_inspect.param_placements", lambda: fi.param_placements(cfg),
-         lambda r: _expect(all(v["is_dtensor"] for v in r.values()), str(r["tok.weight"]["placements"])), True),
-        ("fsdp2_inspect.mixed_precision_by_block", lambda: fi.mixed_precision_by_block(cfg),
-         lambda r: _expect(r["param_dtype"][0] == "torch.bfloat16", str(r["param_dtype"])), True),
+        (
+            "scratch.hook_trace",
+            lambda: scratch.hook_trace("tiny", 1),
+            lambda t: _expect({m for _, m, _ in t} >= {"before_forward", "after_grad"}, f"{len(t)} moments"),
+            True,
+        ),
+        (
+            "fsdp2_inspect.param_placements",
+            lambda: fi.param_placements(cfg),
+            lambda r: _expect(all(v["is_dtensor"] for v in r.values()), str(r["tok.weight"]["placements"])),
+            True,
+        ),
+        (
+            "fsdp2_inspect.mixed_precision_by_block",
+            lambda: fi.mixed_precision_by_block(cfg),
+            lambda r: _expect(r["param_dtype"][0] == "torch.bfloat16", str(r["param_dtype"])),
+            True,
+        ),
         ("fsdp2_inspect.replicate_vs_shard", lambda: fi.replicate_vs_shard(cfg), str, True),
-        ("fsdp2_inspect.first_step_logs(per_block=True)", lambda: fi.first_step_logs(cfg, True), gathers, True),
-        ("fsdp2_inspect.first_step_logs(per_block=False)", lambda: fi.first_step_logs(cfg, False), gathers, True),
+        (
+            "fsdp2_inspect.first_step_logs(per_block=True)",
+            lambda: fi.first_step_logs(cfg, True),
+            gathers,
+            True,
+        ),
+        (
+            "fsdp2_inspect.first_step_logs(per_block=False)",
+            lambda: fi.first_step_logs(cfg, False),
+            gathers,
+            True,
+        ),
         ("fsdp2_features.ignored_params(sync=False)", lambda: ff.ignored_params(cfg), losses, True),
         ("fsdp2_features.ignored_params(sync=True)", lambda: ff.ignored_params(cfg, sync=True), losses, True),
-        ("fsdp2_features.dcp_save", lambda: saved.update(ff.dcp_save(cfg, dcp, continue_steps=2)) or saved,
-         losses, True),
+        (
+            "fsdp2_features.dcp_save",
+            lambda: saved.update(ff.dcp_save(cfg, dcp, continue_steps=2)) or saved,
+            losses,
+            True,
+        ),
         ("fsdp2_features.dcp_load", lambda: ff.dcp_load(cfg, dcp, cfg.steps, 2), resumed, True),
         ("fsdp2_features.compile_sharded (inductor)", lambda: ff.compile_sharded(cfg), compiled, True),
         ("fsdp2_features.comm_debug_counts", lambda: ff.comm_debug_counts(cfg), str, True),
         ("fsdp2_features.hsdp", lambda: ff.hsdp(cfg), losses, n >= 2 and n % 2 == 0),
         ("fsdp2_features.tp_fsdp", lambda: ff.tp_fsdp(cfg), losses, n == 4),
-        ("deepspeed_inspect.own_accounting_beside_probe", lambda: di.own_accounting_beside_probe(cfg), losses, True),
-        ("deepspeed_inspect.itemise_state", lambda: di.itemise_state(replace(cfg, steps=1)),
-         lambda r: _expect(r["measured_bytes"] > 0, f"{r['measured_bytes']:,} B"), True),
-        ("zero.checkpoint save + load (map_location)", lambda: _checkpoint_roundtrip(os.path.join(tmp, "ck")),
-         lambda r: _expect(r["same"] and r["device"].startswith("cuda"), f"reloaded on {r['device']}"), True),
-    ]  # fmt: skip
+        (
+            "deepspeed_inspect.own_accounting_beside_probe",
+            lambda: di.own_accounting_beside_probe(cfg),
+            losses,
+            True,
+        ),
+        (
+            "deepspeed_inspect.itemise_state",
+            lambda: di.itemise_state(replace(cfg, steps=1)),
+            lambda r: _expect(r["measured_bytes"] > 0, f"{r['measured_bytes']:,} B"),
+            True,
+        ),
+        (
+            "zero.checkpoint save + load (map_location)",
+            lambda: _checkpoint_roundtrip(os.path.join(tmp, "ck")),
+            lambda r: _expect(r["same"] and r["device"].startswith("cuda"), f"reloaded on {r['device']}"),
+            True,
+        ),
+    ]
 
 
 def _rank_helpers(cfg, tmp: str, gpus: int) -> dict[str, tuple[str, str]]:
@@ -372,8 +417,13 @@ def check_helpers(smoke: Smoke, world_size: int, gpus: int) -> None:
         try:
             ranks = labkit.launch(_rank_helpers, world_size, cfg, tmp, gpus, timeout=LAUNCH_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001
-            smoke.add("helpers", f"rank-side helpers on {world_size} CUDA rank(s)", "FAILED", first_line(e),
-                      time.perf_counter() - start)  # fmt: skip
+            smoke.add(
+                "helpers",
+                f"rank-side helpers on {world_size} CUDA rank(s)",
+                "FAILED",
+                first_line(e),
+                time.perf_counter() - start,
+            )
             return
     for name, (status, detail) in ranks[0].items():
         worst = next((r[name] for r in ranks if r[name][0] == "FAILED"), (status, detail))
@@ -510,8 +560,12 @@ def _rank_hub() -> dict[str, Any]:
     shard.grad = torch.ones(4)
     ShardedAdamW([shard], offload=True).step()
     info = rank_info()
-    return {"device": str(info.device), "backend": info.backend, "ds": get_accelerator().device_name(),
-            "cuda_visible": torch.cuda.is_available()}  # fmt: skip
+    return {
+        "device": str(info.device),
+        "backend": info.backend,
+        "ds": get_accelerator().device_name(),
+        "cuda_visible": torch.cuda.is_available(),
+    }
 
 
 def hub_child() -> int:
@@ -581,9 +635,20 @@ class Notebooks:
                 proc.kill()  # papermill's per-cell timeout should have ended it; collected on the next poll
         while self.waiting and len(self.running) < self.parallel:
             nb = self.waiting.pop(0)
-            cmd = [sys.executable, "-m", "papermill", str(nb), str(self.out / nb.name), "-k", "python3",
-                   "--cwd", str(nb.parent), "--execution-timeout", str(NOTEBOOK_TIMEOUT_S),
-                   "--no-progress-bar"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "papermill",
+                str(nb),
+                str(self.out / nb.name),
+                "-k",
+                "python3",
+                "--cwd",
+                str(nb.parent),
+                "--execution-timeout",
+                str(NOTEBOOK_TIMEOUT_S),
+                "--no-progress-bar",
+            ]
             log = open(self.out / f"{nb.stem}.log", "w")  # noqa: SIM115 (closed when the run ends)
             proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
             self.running[nb] = (proc, time.perf_counter(), log)
@@ -638,8 +703,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hub-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/gpu_smoke.py: no CUDA device is visible here; run it on a machine with a GPU",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "benchmarks/gpu_smoke.py: no CUDA device is visible here; run it on a machine with a GPU",
+            file=sys.stderr,
+        )
         return 2
     if args.hub_child:
         return hub_child()

@@ -35,8 +35,15 @@ MODES = ("none", "bwrap")
 
 def build_batch(folder: Path, submissions: int) -> None:
     """`submissions` notebooks in `folder`: the solutions and pristine exercises, in turn, repeated."""
-    sources = [p for pair in zip(sorted((ROOT / "solutions").glob("*.ipynb")),
-                                 sorted((ROOT / "exercises").glob("*.ipynb")), strict=True) for p in pair]  # fmt: skip
+    sources = [
+        p
+        for pair in zip(
+            sorted((ROOT / "solutions").glob("*.ipynb")),
+            sorted((ROOT / "exercises").glob("*.ipynb")),
+            strict=True,
+        )
+        for p in pair
+    ]
     for i, source in zip(range(submissions), itertools.cycle(sources)):
         shutil.copy(source, folder / f"s{i:02d}_{source.parent.name}_{source.name}")
 
@@ -44,8 +51,19 @@ def build_batch(folder: Path, submissions: int) -> None:
 def grade_batch(folder: Path, mode: str, jobs: int, work: Path) -> tuple[float, dict[str, str]]:
     """(wall seconds, {file: score}) of one `labkit grade` of `folder` with `--sandbox mode`."""
     gradebook = work / f"grades-{mode}-{time.monotonic_ns()}.csv"
-    command = [sys.executable, "-m", "labkit", "grade", str(folder), "--gradebook", str(gradebook),
-               "--jobs", str(jobs), "--sandbox", mode]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "labkit",
+        "grade",
+        str(folder),
+        "--gradebook",
+        str(gradebook),
+        "--jobs",
+        str(jobs),
+        "--sandbox",
+        mode,
+    ]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=work)
     elapsed = time.perf_counter() - start
@@ -112,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results.md")
     args = parser.parse_args(argv)
     if shutil.which("bwrap") is None:
-        print("benchmarks/grading_sandbox.py: bubblewrap (bwrap) is not installed here; install the Debian "
-              "package bubblewrap", file=sys.stderr)  # fmt: skip
+        print(
+            "benchmarks/grading_sandbox.py: bubblewrap (bwrap) is not installed here; install the Debian "
+            "package bubblewrap",
+            file=sys.stderr,
+        )
         return 2
     times = measure(args.submissions, args.jobs, args.reps)
     lines = section_lines(times, args.submissions, args.jobs)

@@ -36,8 +36,13 @@ from labkit.model import batch, build_model, count_params
 from labkit.probes import Probes, exposed_comm_s
 from labkit.tables import median_step_s, wire_bytes
 
-TARGETS = {"scratch/fsdp2 small": 1.0, "scratch/fsdp2 tiny": 1.1, "exposed ratio": 0.25, "probe cost": 0.05,
-           "course s": 600.0}  # fmt: skip
+TARGETS = {
+    "scratch/fsdp2 small": 1.0,
+    "scratch/fsdp2 tiny": 1.1,
+    "exposed ratio": 0.25,
+    "probe cost": 0.05,
+    "course s": 600.0,
+}
 # The budget strategy whose state arithmetic each engine implements (deepspeed adds its fp32 master copy).
 BUDGET_STRATEGY = {"ddp": "ddp", "scratch": "zero3", "fsdp1": "zero3", "fsdp2": "zero3", "deepspeed": "zero3"}
 
@@ -68,12 +73,19 @@ def exposed_comm(cfg: RunConfig, reps: int, comm_to_compute: float = 0.5) -> dic
     link = wire / (comm_to_compute * median_step_s(base)) / 1e9
     out: dict[str, list[float]] = {"off": [], "on": [], "gloo_off": [], "gloo_on": []}
     for _ in range(reps):
-        for label, link_gbytes, prefetch in (("off", link, False), ("on", link, True),
-                                             ("gloo_off", None, False), ("gloo_on", None, True)):  # fmt: skip
+        for label, link_gbytes, prefetch in (
+            ("off", link, False),
+            ("on", link, True),
+            ("gloo_off", None, False),
+            ("gloo_on", None, True),
+        ):
             rec = run("scratch", replace(cfg, link_gbytes=link_gbytes, prefetch=prefetch))
             steps = sorted({e["step"] for e in rec["timeline"]} - {0})  # step 0 learns the prefetch order
-            out[label].append(statistics.fmean(
-                exposed_comm_s([e for e in rec["timeline"] if e["step"] == k], 0) for k in steps))  # fmt: skip
+            out[label].append(
+                statistics.fmean(
+                    exposed_comm_s([e for e in rec["timeline"] if e["step"] == k], 0) for k in steps
+                )
+            )
     link_s = wire / (link * 1e9)
     return {"link_gbytes": link, "link_s": link_s, **{k: statistics.median(v) for k, v in out.items()}}
 
@@ -150,12 +162,15 @@ def memory_rows(engines: list[str], cfg: RunConfig) -> list[str]:
     for engine, record in zip(engines, run_many([(e, cfg) for e in engines]), strict=True):
         state = sum(record["state_bytes"].values())
         accounting = "deepspeed" if engine == "deepspeed" else "paper"
-        predicted = budget.plan(n_params, cfg.world_size, BUDGET_STRATEGY[engine], precision="fp32",
-                                accounting=accounting)["state_bytes_per_rank"]  # fmt: skip
+        predicted = budget.plan(
+            n_params, cfg.world_size, BUDGET_STRATEGY[engine], precision="fp32", accounting=accounting
+        )["state_bytes_per_rank"]
         own = own_accounting(engine, cfg)
         peak = max(record["peak_mem_bytes"])
-        rows.append(f"| {engine} | {state:,} | {own:,} | {state / own:.3f} | {predicted:,.0f} | "
-                    f"{state / predicted:.3f} | {peak:,} | {peak / predicted:.2f} |")  # fmt: skip
+        rows.append(
+            f"| {engine} | {state:,} | {own:,} | {state / own:.3f} | {predicted:,.0f} | "
+            f"{state / predicted:.3f} | {peak:,} | {peak / predicted:.2f} |"
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -166,15 +181,35 @@ def course_seconds(jobs_dir: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for nb in sorted(glob.glob("notebooks/[0-9][0-9]_*.ipynb")):
         start = time.perf_counter()
-        subprocess.run([os.path.join(venv_bin, "papermill"), "--kernel", "labkit", "--cwd", "notebooks", nb,
-                        os.path.join(jobs_dir, os.path.basename(nb))], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [
+                os.path.join(venv_bin, "papermill"),
+                "--kernel",
+                "labkit",
+                "--cwd",
+                "notebooks",
+                nb,
+                os.path.join(jobs_dir, os.path.basename(nb)),
+            ],
+            check=True,
+            capture_output=True,
+        )
         out[os.path.basename(nb)] = time.perf_counter() - start
         print(f"  {os.path.basename(nb)}: {out[os.path.basename(nb)]:.0f} s", flush=True)
     submissions = os.path.join(jobs_dir, "solutions")
     shutil.copytree("solutions", submissions)
     start = time.perf_counter()
-    subprocess.run([os.path.join(venv_bin, "labkit"), "grade", submissions, "--gradebook",
-                    os.path.join(jobs_dir, "grades.csv")], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            os.path.join(venv_bin, "labkit"),
+            "grade",
+            submissions,
+            "--gradebook",
+            os.path.join(jobs_dir, "grades.csv"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     out["grading all solutions"] = time.perf_counter() - start
     print(f"  grading: {out['grading all solutions']:.0f} s", flush=True)
     return out
@@ -210,24 +245,31 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {model} | {n} | {dtype} | {cells} | {ratio:.2f} |")
         print(lines[-1], flush=True)
 
-    lines += ["", "## Exposed communication, scratch, 2 ranks, emulated link set so comm = 0.5 x compute", "",
-              "link ms: the emulated link's time per step (wire bytes / bandwidth). Least exposed: the part of it "
-              "that this unit plan cannot hide behind any compute (`exposed_floor_ratio` x link ms). The last two "
-              "columns run with no emulated link: what is exposed there is gloo's own time, whose copies share the "
-              "two cores with the ranks' compute (the no-prefetch column holds both, so the ratio can fall below "
-              "the least-exposed share).", "",
-              "| model | blocks | link GB/s | link ms | exposed, no prefetch ms | exposed, prefetch ms | ratio "
-              "| least exposed ms | gloo alone, no prefetch ms | gloo alone, prefetch ms |",
-              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "## Exposed communication, scratch, 2 ranks, emulated link set so comm = 0.5 x compute",
+        "",
+        "link ms: the emulated link's time per step (wire bytes / bandwidth). Least exposed: the part of it "
+        "that this unit plan cannot hide behind any compute (`exposed_floor_ratio` x link ms). The last two "
+        "columns run with no emulated link: what is exposed there is gloo's own time, whose copies share the "
+        "two cores with the ranks' compute (the no-prefetch column holds both, so the ratio can fall below "
+        "the least-exposed share).",
+        "",
+        "| model | blocks | link GB/s | link ms | exposed, no prefetch ms | exposed, prefetch ms | ratio "
+        "| least exposed ms | gloo alone, no prefetch ms | gloo alone, prefetch ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     exposed_ratios = {}
     for model in ("tiny", "tiny_deep"):
         exposed_cfg = RunConfig(model=model, world_size=2, steps=steps)
         exposed = exposed_comm(exposed_cfg, reps)
         exposed_ratios[model] = exposed["on"] / exposed["off"]
-        lines.append(f"| {model} | {len(build_model(model).blocks)} | {exposed['link_gbytes']:.4f} | "
-                     f"{exposed['link_s'] * 1e3:.1f} | {exposed['off'] * 1e3:.1f} | {exposed['on'] * 1e3:.1f} | "
-                     f"{exposed_ratios[model]:.2f} | {exposed_floor_ratio(exposed_cfg) * exposed['link_s'] * 1e3:.1f} | "
-                     f"{exposed['gloo_off'] * 1e3:.1f} | {exposed['gloo_on'] * 1e3:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {model} | {len(build_model(model).blocks)} | {exposed['link_gbytes']:.4f} | "
+            f"{exposed['link_s'] * 1e3:.1f} | {exposed['off'] * 1e3:.1f} | {exposed['on'] * 1e3:.1f} | "
+            f"{exposed_ratios[model]:.2f} | {exposed_floor_ratio(exposed_cfg) * exposed['link_s'] * 1e3:.1f} | "
+            f"{exposed['gloo_off'] * 1e3:.1f} | {exposed['gloo_on'] * 1e3:.1f} |"
+        )
         print(lines[-1], flush=True)
 
     cfg = RunConfig(model="tiny", world_size=4, steps=steps)
@@ -236,33 +278,53 @@ def main(argv: list[str] | None = None) -> int:
     formula = scratch.predicted_wire_bytes(build_model("tiny"), cfg, 4)
     n_params = count_params(build_model("tiny"))
     state = budget.plan(n_params, 4, "zero3", precision="fp32")["state_bytes_per_rank"]
-    lines += ["", "## Bytes and memory, scratch, tiny, 4 ranks", "",
-              *(f"- {k}: measured {wire[k]:,} B, formula {formula[k]:,} B, ratio {wire[k] / formula[k]:.4f}" for k in formula),
-              f"- peak memory per rank {max(record['peak_mem_bytes']):,} B (state per budget {state:,.0f} B; "
-              f"the rest is activations and gathered weights)"]  # fmt: skip
+    lines += [
+        "",
+        "## Bytes and memory, scratch, tiny, 4 ranks",
+        "",
+        *(
+            f"- {k}: measured {wire[k]:,} B, formula {formula[k]:,} B, ratio {wire[k] / formula[k]:.4f}"
+            for k in formula
+        ),
+        f"- peak memory per rank {max(record['peak_mem_bytes']):,} B (state per budget {state:,.0f} B; "
+        f"the rest is activations and gathered weights)",
+    ]
 
-    lines += ["", "## Memory per rank against each engine's accounting and labkit.budget, tiny, 4 ranks, fp32", "",
-              "state: what the engine keeps between steps, measured; own: what the engine's module accounts for "
-              "(`state_bytes_accounting`: DeepSpeed's term by term, its fp32 master partition and reduce bucket "
-              "included); budget: `plan()`'s state per rank (the paper's 16 B/param / n; for deepspeed DeepSpeed's "
-              "own estimator, which leaves those two out); peak: the step's CPU peak, activations included", "",
-              "| engine | state B | own B | state/own | budget B | state/budget | peak B | peak/budget |",
-              "|---|---|---|---|---|---|---|---|",
-              *memory_rows([*engines[:2], "fsdp1", *engines[2:]], RunConfig(model="tiny", world_size=4, steps=2))]  # fmt: skip
+    lines += [
+        "",
+        "## Memory per rank against each engine's accounting and labkit.budget, tiny, 4 ranks, fp32",
+        "",
+        "state: what the engine keeps between steps, measured; own: what the engine's module accounts for "
+        "(`state_bytes_accounting`: DeepSpeed's term by term, its fp32 master partition and reduce bucket "
+        "included); budget: `plan()`'s state per rank (the paper's 16 B/param / n; for deepspeed DeepSpeed's "
+        "own estimator, which leaves those two out); peak: the step's CPU peak, activations included",
+        "",
+        "| engine | state B | own B | state/own | budget B | state/budget | peak B | peak/budget |",
+        "|---|---|---|---|---|---|---|---|",
+        *memory_rows([*engines[:2], "fsdp1", *engines[2:]], RunConfig(model="tiny", world_size=4, steps=2)),
+    ]
 
     cost = probe_cost(RunConfig(model="tiny", world_size=4, steps=steps), pairs=10 * reps)
     overhead = cost["overhead"]
-    lines += ["", "## Cost of the probes, scratch, tiny, 4 ranks, probed and bare steps alternating on the same ranks",
-              "", f"median step {cost['probed'] * 1e3:.1f} ms probed, {cost['bare'] * 1e3:.1f} ms bare; median "
-              f"difference of a pair {overhead:+.1%} of the bare step (target < {TARGETS['probe cost']:.0%})"]  # fmt: skip
+    lines += [
+        "",
+        "## Cost of the probes, scratch, tiny, 4 ranks, probed and bare steps alternating on the same ranks",
+        "",
+        f"median step {cost['probed'] * 1e3:.1f} ms probed, {cost['bare'] * 1e3:.1f} ms bare; median "
+        f"difference of a pair {overhead:+.1%} of the bare step (target < {TARGETS['probe cost']:.0%})",
+    ]
 
     course = None
     if not args.no_course and not args.quick:
         with tempfile.TemporaryDirectory() as jobs_dir:
             course = course_seconds(jobs_dir)
-        lines += ["", "## The course, end to end (papermill, one notebook at a time; then `labkit grade`)", "",
-                  *(f"- {k}: {v:.0f} s" for k, v in course.items()),
-                  f"- total {sum(course.values()):.0f} s (target < {TARGETS['course s']:.0f} s)"]  # fmt: skip
+        lines += [
+            "",
+            "## The course, end to end (papermill, one notebook at a time; then `labkit grade`)",
+            "",
+            *(f"- {k}: {v:.0f} s" for k, v in course.items()),
+            f"- total {sum(course.values()):.0f} s (target < {TARGETS['course s']:.0f} s)",
+        ]
 
     import cpu_adam  # this folder's own scripts (benchmarks/ is on sys.path when run_all.py runs)
     import slides
@@ -280,18 +342,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"- scratch/fsdp2 on {model}, 4 ranks, fp32: {r:.2f} (target <= {target}): {verdict(r, target)}"
             )
     for model, ratio in exposed_ratios.items():
-        lines.append(f"- exposed comm ratio on {model} {ratio:.2f} (target <= {TARGETS['exposed ratio']}): "
-                     f"{verdict(ratio, TARGETS['exposed ratio'])}")  # fmt: skip
-    lines.append(f"- probe cost {overhead:+.1%} (target < {TARGETS['probe cost']:.0%}): "
-                 f"{verdict(overhead, TARGETS['probe cost'])}")  # fmt: skip
+        lines.append(
+            f"- exposed comm ratio on {model} {ratio:.2f} (target <= {TARGETS['exposed ratio']}): "
+            f"{verdict(ratio, TARGETS['exposed ratio'])}"
+        )
+    lines.append(
+        f"- probe cost {overhead:+.1%} (target < {TARGETS['probe cost']:.0%}): "
+        f"{verdict(overhead, TARGETS['probe cost'])}"
+    )
     worst = max(abs(wire[k] / formula[k] - 1) for k in formula)
     lines.append(
         f"- scratch wire bytes / formula: off by at most {worst:.4f} (target 0.005): {verdict(worst, 0.005)}"
     )
     if course is not None:
         total = sum(course.values())
-        lines.append(f"- course {total:.0f} s (target < {TARGETS['course s']:.0f} s): "
-                     f"{verdict(total, TARGETS['course s'])}")  # fmt: skip
+        lines.append(
+            f"- course {total:.0f} s (target < {TARGETS['course s']:.0f} s): "
+            f"{verdict(total, TARGETS['course s'])}"
+        )
     write_report(args.out, lines)
     return 0
 

@@ -26,8 +26,12 @@ TARGET_S = 600.0
 def build(out_dir: str) -> tuple[float, dict[str, float]]:
     """(wall seconds of the whole build, seconds per deck as the command reports them)."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "labkit", "slides", "--execute", "--out", out_dir],
-                          check=True, capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "labkit", "slides", "--execute", "--out", out_dir],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     wall_s = time.perf_counter() - start
     decks = {
         Path(m[1]).name: float(m[2])

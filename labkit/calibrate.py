@@ -65,8 +65,12 @@ def collective_fit(points: list[tuple[int, float]]) -> dict:
             "the measured collective times do not grow with the message size (the machine was too busy); "
             "run labkit calibrate again on a quieter machine"
         )
-    return {"latency_s": latency_s, "gbytes": 1 / s_per_byte / 1e9, "residual_s": residual_s,
-            "points": [[int(w), s] for w, s in points]}  # fmt: skip
+    return {
+        "latency_s": latency_s,
+        "gbytes": 1 / s_per_byte / 1e9,
+        "residual_s": residual_s,
+        "points": [[int(w), s] for w, s in points],
+    }
 
 
 # ------------------------------------------------------------------------------------------ rank side
@@ -142,18 +146,30 @@ def calibrate(model: str = "small", world_sizes: tuple[int, ...] = (2, 4), timeo
         together_s = _slowest([r["together_s"] for r in ranks])
         core_share[str(n)] = flops_per_token * tokens / together_s / rate
         for kind in KINDS:
-            points = [(budget.collective_wire_bytes(kind, p, n), _slowest([r["collectives"][kind][p] for r in ranks]))
-                      for p in PAYLOAD_BYTES]  # fmt: skip
+            points = [
+                (
+                    budget.collective_wire_bytes(kind, p, n),
+                    _slowest([r["collectives"][kind][p] for r in ranks]),
+                )
+                for p in PAYLOAD_BYTES
+            ]
             collectives[kind][str(n)] = collective_fit(points)
-    return budget.check_machine_profile({
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "backend": "gloo", "threads_per_rank": 1,
-                    "load_average": list(os.getloadavg())},
-        "model": model,
-        "compute_flops_per_s": rate,
-        "core_share": core_share,
-        "collectives": collectives,
-    })  # fmt: skip
+    return budget.check_machine_profile(
+        {
+            "machine": {
+                "cpus": os.cpu_count(),
+                "processor": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "backend": "gloo",
+                "threads_per_rank": 1,
+                "load_average": list(os.getloadavg()),
+            },
+            "model": model,
+            "compute_flops_per_s": rate,
+            "core_share": core_share,
+            "collectives": collectives,
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------------ prediction
@@ -179,11 +195,13 @@ def plan_options(engine: str, cfg: RunConfig, profile: dict) -> tuple[int, str, 
         **budget.model_options(model_cfg, n),
         "tokens_per_rank": model_cfg.global_batch // n * model_cfg.seq_len,
         "precision": "fp32" if cfg.dtype == "float32" else "bf16_mixed",
-        "gpus_per_node": n, "link_gbytes": link, "intra_gbytes": link,
+        "gpus_per_node": n,
+        "link_gbytes": link,
+        "intra_gbytes": link,
         "prefetch": cfg.prefetch and not (engine == "fsdp2" and _on_gloo(profile)),
         "reshard_after_forward": cfg.reshard_after_forward,
         "machine": profile,
-    }  # fmt: skip
+    }
     if engine == "scratch":
         from labkit.engines.scratch import split_root
 
@@ -206,8 +224,10 @@ def profile_table(profile: dict) -> str:
     """The profile's figures as the text table `labkit calibrate` prints."""
     from labkit.tables import fixed_width
 
-    lines = [f"compute, one rank alone ({profile['model']}, one thread): {profile['compute_flops_per_s'] / 1e9:.1f} GFLOP/s",
-             "core share per rank: " + ", ".join(f"{n} ranks {s:.2f}" for n, s in profile["core_share"].items())]  # fmt: skip
+    lines = [
+        f"compute, one rank alone ({profile['model']}, one thread): {profile['compute_flops_per_s'] / 1e9:.1f} GFLOP/s",
+        "core share per rank: " + ", ".join(f"{n} ranks {s:.2f}" for n, s in profile["core_share"].items()),
+    ]
     rows = [("collective", "ranks", "latency ms", "GB/s", "residual ms")]
     for kind, by_n in profile["collectives"].items():
         for n, fit in by_n.items():

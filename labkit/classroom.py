@@ -116,9 +116,12 @@ def node_capacity() -> dict[str, Any]:
 
     limits = read_limits()
     cpus = limits.cpus.value
-    return {"cpu_cores": int(cpus) if float(cpus).is_integer() else cpus, "memory_bytes": int(limits.memory.value),
-            "gpus": visible_gpus() or 0,
-            "sources": {"cpu_cores": str(limits.cpus), "memory_bytes": str(limits.memory)}}  # fmt: skip
+    return {
+        "cpu_cores": int(cpus) if float(cpus).is_integer() else cpus,
+        "memory_bytes": int(limits.memory.value),
+        "gpus": visible_gpus() or 0,
+        "sources": {"cpu_cores": str(limits.cpus), "memory_bytes": str(limits.memory)},
+    }
 
 
 def notebook_placement(need: NotebookNeed, gpus: int | None) -> dict[str, Any]:
@@ -134,8 +137,13 @@ def notebook_placement(need: NotebookNeed, gpus: int | None) -> dict[str, Any]:
         why = "no GPU here: the ranks are CPU processes over gloo"
     else:
         why = f"{need.ranks} ranks need {need.ranks} GPUs (one each, for NCCL), the server has {gpus}"
-    return {"notebook": need.notebook, "ranks": need.ranks, "device": device, "gpus_needed": need.ranks,
-            "why": why}  # fmt: skip
+    return {
+        "notebook": need.notebook,
+        "ranks": need.ranks,
+        "device": device,
+        "gpus_needed": need.ranks,
+        "why": why,
+    }
 
 
 def class_report(
@@ -171,10 +179,17 @@ def class_report(
         # The most students for whom both hold (on GPUs while each has enough of them, on CPU ranks beyond):
         # a class of N fits exactly when N <= most.
         most = min(slots // need.ranks, memory // need.memory_bytes)
-        rows.append({**asdict(need), "models": list(need.models), **notebook_placement(need, gpus_each),
-                     "fits_cores": fits_cores,
-                     "fits_memory": fits_memory, "fits": fits_cores and fits_memory,
-                     "max_students": int(most)})  # fmt: skip
+        rows.append(
+            {
+                **asdict(need),
+                "models": list(need.models),
+                **notebook_placement(need, gpus_each),
+                "fits_cores": fits_cores,
+                "fits_memory": fits_memory,
+                "fits": fits_cores and fits_memory,
+                "max_students": int(most),
+            }
+        )
     report = {
         "students": students,
         "node": {**node, "ranks_per_core": RANKS_PER_CORE, "rank_bytes": RANK_BYTES_ESTIMATE},
@@ -183,7 +198,7 @@ def class_report(
             "memory_bytes": int(mem_each),
             "gpus": gpus_each,
             "ranks": ranks_each,
-        },  # fmt: skip
+        },
         "notebooks": rows,
         "fits": all(r["fits"] for r in rows),
     }
@@ -223,10 +238,14 @@ def _advice(report: dict[str, Any]) -> list[str]:
             fix = "it does not fit even one student here: use a larger node"
         else:
             nodes = math.ceil(n / r["max_students"])
-            fix = (f"at most {r['max_students']} at once here: stagger it, pair students on one server, "
-                   f"or spread the class over {nodes} such nodes")  # fmt: skip
-        lines.append(f"{r['notebook']} needs {r['ranks']} ranks and {_gb(r['memory_bytes'])} per student; "
-                     f"{n} students need {' and '.join(short)}: {fix}")  # fmt: skip
+            fix = (
+                f"at most {r['max_students']} at once here: stagger it, pair students on one server, "
+                f"or spread the class over {nodes} such nodes"
+            )
+        lines.append(
+            f"{r['notebook']} needs {r['ranks']} ranks and {_gb(r['memory_bytes'])} per student; "
+            f"{n} students need {' and '.join(short)}: {fix}"
+        )
     return lines
 
 
@@ -269,7 +288,9 @@ def format_class(report: dict[str, Any]) -> str:
         f"  {'notebook':<24} {'ranks':>5} {'memory':>8}  {'on':<4} {'fits':<4} {'most at once':>12}  why there",
     ]
     for r in report["notebooks"]:
-        lines.append(f"  {r['notebook']:<24} {r['ranks']:>5} {_gb(r['memory_bytes']):>8}  {r['device']:<4} "
-                     f"{'yes' if r['fits'] else 'no':<4} {r['max_students']:>12}  {r['why']}")  # fmt: skip
+        lines.append(
+            f"  {r['notebook']:<24} {r['ranks']:>5} {_gb(r['memory_bytes']):>8}  {r['device']:<4} "
+            f"{'yes' if r['fits'] else 'no':<4} {r['max_students']:>12}  {r['why']}"
+        )
     lines += [f"  {line}" for line in report["gpu_advice"]]
     return "\n".join(lines)

@@ -356,9 +356,16 @@ class _Run:
 
     def _env(self, rank: int, port: int) -> dict[str, str]:
         n = str(self.world_size)
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n,
-               "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "LABKIT_LAUNCH_DIR": self.dir}  # fmt: skip
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": n,
+            "LOCAL_WORLD_SIZE": n,
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "LABKIT_LAUNCH_DIR": self.dir,
+        }
         if self.where.device_type == "cpu":
             # CPU ranks never touch a GPU, and DeepSpeed picks its CPU accelerator without a warning.
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -457,9 +464,12 @@ class _Run:
                 status.startswith("inside ") and not waits[rank][2] and now - waits[rank][1] >= WAIT_NOTICE_S
             ):
                 waits[rank][2] = True
-                print(f"labkit.launch: rank {rank} has waited {now - waits[rank][1]:.0f} s {status.split(' (')[0]} "
-                      "(a rank that never calls it keeps it waiting); the launch stops at "
-                      f"timeout={self.timeout:g} s and says what each rank was doing", flush=True)  # fmt: skip
+                print(
+                    f"labkit.launch: rank {rank} has waited {now - waits[rank][1]:.0f} s {status.split(' (')[0]} "
+                    "(a rank that never calls it keeps it waiting); the launch stops at "
+                    f"timeout={self.timeout:g} s and says what each rank was doing",
+                    flush=True,
+                )
 
     def _what_ranks_are_doing(self, pc) -> tuple[dict[int, str], dict[int, str]]:
         """Ask each live rank to dump its stacks (faulthandler on SIGUSR1) and read its last collective."""
@@ -551,8 +561,12 @@ def _rank_main(payload: bytes | tuple, run_dir: str, backend: str) -> bytes:
         value = cloudpickle.dumps(fn(*args, **kwargs))
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 (every failure is reported to the parent, then the rank exits)
-        report = {"rank": rank, "time": time.time(), "error": f"{type(e).__name__}: {e}",
-                  "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))}  # fmt: skip
+        report = {
+            "rank": rank,
+            "time": time.time(),
+            "error": f"{type(e).__name__}: {e}",
+            "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)),
+        }
         with open(os.path.join(run_dir, f"error{rank}.json"), "w") as f:
             json.dump(report, f)
         sys.stdout.flush()

@@ -56,8 +56,12 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
             )
 
     where = cluster.placement(SMOKE_WORLD_SIZE)
-    backend = {"world_size": SMOKE_WORLD_SIZE, "backend": where.backend, "device_type": where.device_type,
-               "start_method": where.start_method}  # fmt: skip
+    backend = {
+        "world_size": SMOKE_WORLD_SIZE,
+        "backend": where.backend,
+        "device_type": where.device_type,
+        "start_method": where.start_method,
+    }
     found = limits.read_limits()
     max_ranks, why = cluster.rank_limit(None, found)
     by_device = {"cpu": cluster.rank_limit("cpu", found)[0]}
@@ -69,8 +73,14 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
     _shm(problems, found, notebooks)
 
     tc = prebuild.toolchain()
-    toolchain = {"cuda_home": tc.cuda_home, "nvcc": shutil.which("nvcc"), "nvcc_release": tc.nvcc_release,
-                 "torch_cuda": tc.torch_cuda, "visible_gpus": tc.gpus, "libaio": tc.libaio}  # fmt: skip
+    toolchain = {
+        "cuda_home": tc.cuda_home,
+        "nvcc": shutil.which("nvcc"),
+        "nvcc_release": tc.nvcc_release,
+        "torch_cuda": tc.torch_cuda,
+        "visible_gpus": tc.gpus,
+        "libaio": tc.libaio,
+    }
     ops = _ops(problems, tc)
     ninja = shutil.which("ninja")
     if ninja is None:
@@ -112,7 +122,7 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
             "shm_free_bytes": int(found.shm.value),
             "shm_total_bytes": found.shm_total_bytes,
             "ranks_bound_by": why,
-        },  # fmt: skip
+        },
         "max_ranks": max_ranks,
         "max_ranks_by_device": by_device,
         "notebooks": notebooks,
@@ -279,8 +289,13 @@ def _kernel() -> dict[str, Any]:
     except NoSuchKernel:
         return {"name": KERNEL_NAME, "registered": False, "path": None, "python": None}
     python = spec.argv[0] if spec.argv else None
-    return {"name": KERNEL_NAME, "registered": True, "path": spec.resource_dir, "python": python,
-            "display_name": spec.display_name}  # fmt: skip
+    return {
+        "name": KERNEL_NAME,
+        "registered": True,
+        "path": spec.resource_dir,
+        "python": python,
+        "display_name": spec.display_name,
+    }
 
 
 def _all_reduce_rank() -> dict[str, float]:
@@ -309,16 +324,33 @@ def _smoke_test(problems: list[str]) -> dict[str, Any]:
             f"the {n}-rank all_reduce smoke test failed after {wall_s:.1f} s ({first_line}): "
             "check that processes can fork and talk over 127.0.0.1"
         )
-        return {"ran": True, "ok": False, "world_size": n, "collective": "all_reduce", "expected": expected,
-                "values": None, "wall_s": wall_s, "collective_s": None, "error": first_line}  # fmt: skip
+        return {
+            "ran": True,
+            "ok": False,
+            "world_size": n,
+            "collective": "all_reduce",
+            "expected": expected,
+            "values": None,
+            "wall_s": wall_s,
+            "collective_s": None,
+            "error": first_line,
+        }
     wall_s = time.perf_counter() - start
     values = [r["value"] for r in results]
     ok = all(v == expected for v in values)
     if not ok:
         problems.append(f"the {n}-rank all_reduce returned {values}, expected {expected} on every rank")
-    return {"ran": True, "ok": ok, "world_size": n, "collective": "all_reduce", "expected": expected,
-            "values": values, "wall_s": wall_s, "collective_s": max(r["collective_s"] for r in results),
-            "error": None}  # fmt: skip
+    return {
+        "ran": True,
+        "ok": ok,
+        "world_size": n,
+        "collective": "all_reduce",
+        "expected": expected,
+        "values": values,
+        "wall_s": wall_s,
+        "collective_s": max(r["collective_s"] for r in results),
+        "error": None,
+    }
 
 
 def _devices(torch) -> dict[str, Any]:
@@ -328,8 +360,12 @@ def _devices(torch) -> dict[str, Any]:
     if cluster.visible_gpus() == 0 or not torch.cuda.is_available():
         return {"summary": "cpu only", "cuda_count": 0, "cuda_names": [], "cpu_cores": cores}
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"summary": f"{len(names)} cuda: {', '.join(names)}", "cuda_count": len(names), "cuda_names": names,
-            "cpu_cores": cores}  # fmt: skip
+    return {
+        "summary": f"{len(names)} cuda: {', '.join(names)}",
+        "cuda_count": len(names),
+        "cuda_names": names,
+        "cpu_cores": cores,
+    }
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -376,8 +412,13 @@ def format_report(report: dict[str, Any]) -> str:
     if not s["ran"]:
         rows.append(("smoke test", "skipped"))
     elif s["ok"]:
-        rows.append(("smoke test", f"all_reduce on {s['world_size']} ranks -> {s['values']} in {s['wall_s']:.2f} s "
-                                   f"(the collective itself {s['collective_s'] * 1e3:.1f} ms)"))  # fmt: skip
+        rows.append(
+            (
+                "smoke test",
+                f"all_reduce on {s['world_size']} ranks -> {s['values']} in {s['wall_s']:.2f} s "
+                f"(the collective itself {s['collective_s'] * 1e3:.1f} ms)",
+            )
+        )
     else:
         rows.append(("smoke test", f"FAILED: {s['error'] or s['values']}"))
     width = max(len(name) for name, _ in rows)

@@ -60,10 +60,10 @@ CONFIGS: dict[str, ModelConfig] = {
     # Uneven against 3 and 4 ranks on purpose (vocabulary 101, context 17).
     "hf-gpt2": ModelConfig(
         vocab_size=101, d_model=48, n_heads=4, n_layers=3, seq_len=17, global_batch=12, family="hf-gpt2"
-    ),  # fmt: skip
+    ),
     "hf-llama": ModelConfig(
         vocab_size=101, d_model=48, n_heads=4, n_layers=3, seq_len=17, global_batch=12, family="hf-llama"
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -212,14 +212,19 @@ _COMPUTE_STYLE = {  # what: (colour, label colour, legend)
     "optimizer": ("#70AD47", "#202020", "optimizer"),
     "wait": ("#C00000", "white", "blocked on a collective (exposed)"),
 }
-_COMM_COLORS = {"all_gather": "#ED7D31", "reduce_scatter": "#7030A0", "all_reduce": "#00A3A3",
-                "broadcast": "#BF9000"}  # fmt: skip
+_COMM_COLORS = {
+    "all_gather": "#ED7D31",
+    "reduce_scatter": "#7030A0",
+    "all_reduce": "#00A3A3",
+    "broadcast": "#BF9000",
+}
 _LABEL_H, _COMPUTE_H, _COMM_H, _RANK_GAP = 0.3, 0.8, 0.42, 0.25  # heights (y units)
 _LABEL_PT = 7
 
 
-def gantt(timeline: Sequence[dict], *, ax=None, title: str | None = None,
-          ranks: Sequence[int] | None = None) -> Figure:  # fmt: skip
+def gantt(
+    timeline: Sequence[dict], *, ax=None, title: str | None = None, ranks: Sequence[int] | None = None
+) -> Figure:
     """Per-rank timeline of one or more steps (ms): what the compute thread did, unit by unit, and the
     collectives in flight, one lane per kind.
 
@@ -285,8 +290,12 @@ class _Lane:
         for seg in segments:
             by_style.setdefault(_segment_style(seg) if seg["kind"] == "compute" else "wait", []).append(seg)
         for what, segs in by_style.items():
-            self.ax.broken_barh([self.bar(s) for s in segs], (top, _COMPUTE_H), color=_COMPUTE_STYLE[what][0],
-                                edgecolor="none")  # fmt: skip
+            self.ax.broken_barh(
+                [self.bar(s) for s in segs],
+                (top, _COMPUTE_H),
+                color=_COMPUTE_STYLE[what][0],
+                edgecolor="none",
+            )
         self._units([s for what in ("forward", "backward") for s in by_style.get(what, [])], top)
         return set(by_style)
 
@@ -306,22 +315,41 @@ class _Lane:
             left_ms, width_ms = self.bar(max(segs, key=_width))
             text_ms = (len(label) * 0.62 * _LABEL_PT / 72 + 0.03) * self.ms_per_inch
             if width_ms >= text_ms:
-                self.ax.text(left_ms + width_ms / 2, top + _COMPUTE_H / 2, label, ha="center", va="center",
-                             fontsize=_LABEL_PT, color=_COMPUTE_STYLE[what][1])  # fmt: skip
+                self.ax.text(
+                    left_ms + width_ms / 2,
+                    top + _COMPUTE_H / 2,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=_LABEL_PT,
+                    color=_COMPUTE_STYLE[what][1],
+                )
                 continue
             middle_ms = (start_ms + end_ms) / 2
             if middle_ms - text_ms / 2 > above_until_ms:
                 self.ax.hlines(top - 0.05, start_ms, end_ms, color="#404040", linewidth=0.6)
-                self.ax.text(middle_ms, top - 0.07, label, ha="center", va="bottom", fontsize=_LABEL_PT - 1,
-                             color="#404040")  # fmt: skip
+                self.ax.text(
+                    middle_ms,
+                    top - 0.07,
+                    label,
+                    ha="center",
+                    va="bottom",
+                    fontsize=_LABEL_PT - 1,
+                    color="#404040",
+                )
                 above_until_ms = middle_ms + text_ms / 2
 
     def comm(self, events: Sequence[dict], y: float) -> None:
         """One collective kind's lane: each call from issue to completion (overlapping calls darken)."""
         if events:
-            self.ax.broken_barh([self.bar(e) for e in events], (y + 0.06, _COMM_H - 0.12),
-                                color=_comm_color(events[0]["name"]), edgecolor="white", linewidth=0.4,
-                                alpha=0.85)  # fmt: skip
+            self.ax.broken_barh(
+                [self.bar(e) for e in events],
+                (y + 0.06, _COMM_H - 0.12),
+                color=_comm_color(events[0]["name"]),
+                edgecolor="white",
+                linewidth=0.4,
+                alpha=0.85,
+            )
 
 
 def _comm_order(kind: str) -> tuple:
@@ -352,12 +380,19 @@ def _measured_title(timeline: Sequence[dict], rank: int) -> str:
     if not mine:
         return "Timeline per rank"
     shown_s = max(e["end_s"] for e in mine) - min(e["start_s"] for e in mine)
-    return (f"Rank {rank} was blocked on collectives (red) for {exposed_comm_s(mine) * 1e3:.1f} ms "
-            f"of {shown_s * 1e3:.1f} ms")  # fmt: skip
+    return (
+        f"Rank {rank} was blocked on collectives (red) for {exposed_comm_s(mine) * 1e3:.1f} ms "
+        f"of {shown_s * 1e3:.1f} ms"
+    )
 
 
-def traffic_bars(comms: Mapping[str, Mapping], *, expected: Mapping[str, float] | None = None,
-                 ax=None, title: str | None = None) -> Figure:  # fmt: skip
+def traffic_bars(
+    comms: Mapping[str, Mapping],
+    *,
+    expected: Mapping[str, float] | None = None,
+    ax=None,
+    title: str | None = None,
+) -> Figure:
     """Wire bytes per rank per step by collective, one group of bars per engine (bytes); `expected`
     draws the formula's figure for each collective as a black tick."""
     fig, ax = _figure_and_axes(ax, (8, 3.2))
@@ -390,8 +425,9 @@ def self_check_html(items: Sequence[tuple[str, str]]) -> str:
 # ---------------------------------------------------------------------------------------------- collectives
 
 
-def holdings_figure(before, after, chunk: int, *, titles: Sequence[str] = ("before", "after"),
-                    title: str | None = None) -> Figure:  # fmt: skip
+def holdings_figure(
+    before, after, chunk: int, *, titles: Sequence[str] = ("before", "after"), title: str | None = None
+) -> Figure:
     """What each rank holds before and after one collective, drawn from the run's tensors.
 
     `before[r]` and `after[r]` are `(offset, values)`: rank r holds `values` at elements offset, offset+1,
@@ -412,8 +448,11 @@ def holdings_figure(before, after, chunk: int, *, titles: Sequence[str] = ("befo
                 ax.text(x + 0.5, r, f"{value:g}", ha="center", va="center", fontsize=8)
         ax.set_xlim(0, size)
         ax.set_ylim(ranks - 0.5, -0.5)
-        ax.set_xticks([j * chunk + chunk / 2 for j in range(size // chunk)],
-                      [f"chunk {j}" for j in range(size // chunk)], fontsize=8)  # fmt: skip
+        ax.set_xticks(
+            [j * chunk + chunk / 2 for j in range(size // chunk)],
+            [f"chunk {j}" for j in range(size // chunk)],
+            fontsize=8,
+        )
         ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
         ax.set_title(label, fontsize=10, loc="left")
     if title:
@@ -442,8 +481,15 @@ def mesh_groups(mesh_ranks: Sequence[Sequence[int]], dim: int) -> list[list[int]
     return rows if dim == 1 else [list(column) for column in zip(*rows, strict=True)]
 
 
-def mesh_figure(mesh_ranks: Sequence[Sequence[int]], dim_names: Sequence[str], *, colour_by: str | None = None,
-                roles: Mapping[str, str] | None = None, ax=None, title: str | None = None) -> Figure:  # fmt: skip
+def mesh_figure(
+    mesh_ranks: Sequence[Sequence[int]],
+    dim_names: Sequence[str],
+    *,
+    colour_by: str | None = None,
+    roles: Mapping[str, str] | None = None,
+    ax=None,
+    title: str | None = None,
+) -> Figure:
     """A 2-D device mesh as its grid of ranks (row i, column j holds `mesh_ranks[i][j]`), its groups labelled.
 
     Each rank is filled with the colour of its group along `colour_by` (default: the last dimension); the
@@ -462,15 +508,33 @@ def mesh_figure(mesh_ranks: Sequence[Sequence[int]], dim_names: Sequence[str], *
     for k, group in enumerate(mesh_groups(mesh_ranks, filled)):
         for rank in group:
             i, j = where[rank]
-            ax.add_patch(FancyBboxPatch((j - 0.4, i - 0.4), 0.8, 0.8, boxstyle="round,pad=0.02",
-                                        facecolor=_MESH_COLORS[k % len(_MESH_COLORS)], edgecolor="#333333"))  # fmt: skip
+            ax.add_patch(
+                FancyBboxPatch(
+                    (j - 0.4, i - 0.4),
+                    0.8,
+                    0.8,
+                    boxstyle="round,pad=0.02",
+                    facecolor=_MESH_COLORS[k % len(_MESH_COLORS)],
+                    edgecolor="#333333",
+                )
+            )
             ax.text(j, i, f"rank {rank}", ha="center", va="center", fontsize=10, weight="bold")
     for k in range(cols if dashed == 0 else rows):
         x0, y0, w, h = (
             (k - 0.47, -0.47, 0.94, rows - 0.06) if dashed == 0 else (-0.47, k - 0.47, cols - 0.06, 0.94)
         )
-        ax.add_patch(FancyBboxPatch((x0, y0), w, h, boxstyle="round,pad=0.03", facecolor="none",
-                                    edgecolor="#555555", linestyle="--", linewidth=1.2))  # fmt: skip
+        ax.add_patch(
+            FancyBboxPatch(
+                (x0, y0),
+                w,
+                h,
+                boxstyle="round,pad=0.03",
+                facecolor="none",
+                edgecolor="#555555",
+                linestyle="--",
+                linewidth=1.2,
+            )
+        )
     for k, group in enumerate(mesh_groups(mesh_ranks, 1)):  # dim 1: the rows, labelled at their right
         ax.text(cols - 0.42, k, f"{names[1]} group\n{group}", ha="left", va="center", fontsize=9)
     for k, group in enumerate(mesh_groups(mesh_ranks, 0)):  # dim 0: the columns, labelled under them

@@ -149,8 +149,14 @@ class Prediction:
         label = W.HTML(f"<b>Predict.</b> {html.escape(self.question)}")
         return W.VBox([label, W.HBox([self._box, W.Label(self.unit)])])
 
-    def reveal(self, measured: float, formula: float | None = None, formula_text: str = "",
-               mistake: str = "", source: str = "measured") -> Reveal:  # fmt: skip
+    def reveal(
+        self,
+        measured: float,
+        formula: float | None = None,
+        formula_text: str = "",
+        mistake: str = "",
+        source: str = "measured",
+    ) -> Reveal:
         """Show the measurement beside the prediction (and the formula), and return what was shown.
 
         `measured` and `formula` are in the prediction's unit; `mistake` is one line on the usual error,
@@ -162,8 +168,16 @@ class Prediction:
         except ValueError as e:
             print(f"(your prediction was not read: {e})")
             predicted = None
-        shown = Reveal(self.question, self.unit, float(measured), predicted,
-                       None if formula is None else float(formula), formula_text, mistake, source)  # fmt: skip
+        shown = Reveal(
+            self.question,
+            self.unit,
+            float(measured),
+            predicted,
+            None if formula is None else float(formula),
+            formula_text,
+            mistake,
+            source,
+        )
         _show(shown)
         return _Shown(shown)
 

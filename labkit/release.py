@@ -22,9 +22,21 @@ from labkit.grading.exercises import ANSWER, NOTEBOOK_VERSION, source
 
 MARKER = ".labkit-release"  # in a folder this command wrote: a later run may replace its contents
 KEPT = (".git", MARKER)  # what a re-release leaves in place (the repository students pull)
-COURSE_FILES = ("exercises", "notebooks", "docs/cheatsheets", "docs/budget.md", "docs/cluster.md",
-                "pyproject.toml", "setup.py", "LICENSE", "requirements.txt", "environment.yml", "binder",
-                "Makefile", "scripts/install-debian-packages")  # fmt: skip
+COURSE_FILES = (
+    "exercises",
+    "notebooks",
+    "docs/cheatsheets",
+    "docs/budget.md",
+    "docs/cluster.md",
+    "pyproject.toml",
+    "setup.py",
+    "LICENSE",
+    "requirements.txt",
+    "environment.yml",
+    "binder",
+    "Makefile",
+    "scripts/install-debian-packages",
+)
 INSTRUCTOR_ONLY = ("grading/checks/ex*.py", "_course")  # under labkit/: the grader's checks, a wheel's course
 JUNK = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.executed.ipynb")
 README = """# labkit: the student copy

@@ -155,8 +155,12 @@ def _blocks(source: str) -> list[str]:
 
 def _balanced(text: str) -> bool:
     """No code span, bold run, link or parenthesis left open (a cut there would break the Markdown)."""
-    return (text.count("`") % 2 == 0 and text.count("**") % 2 == 0
-            and text.count("[") == text.count("]") and text.count("(") == text.count(")"))  # fmt: skip
+    return (
+        text.count("`") % 2 == 0
+        and text.count("**") % 2 == 0
+        and text.count("[") == text.count("]")
+        and text.count("(") == text.count(")")
+    )
 
 
 def _shortened(sentence: str) -> str:
@@ -304,8 +308,10 @@ def cheatsheet_markdown(source: str, nb: nbformat.NotebookNode) -> str:
     elif output_text(nb).strip():
         figure = "_not found in this run's output: the notebook no longer prints the line this sheet quotes_"
     else:
-        figure = ("_this build has no outputs (the committed notebook): run it, or build with "
-                  "`labkit slides --execute`, to quote the figure here_")  # fmt: skip
+        figure = (
+            "_this build has no outputs (the committed notebook): run it, or build with "
+            "`labkit slides --execute`, to quote the figure here_"
+        )
     return FIGURE_SPEC.sub("", source, count=1).replace(FIGURE_SLOT, figure)
 
 
@@ -360,8 +366,10 @@ def index_html(entries: list[DeckEntry]) -> str:
 
     def row(e: DeckEntry) -> str:
         sheet = f'<a href="{html.escape(e.sheet)}">cheat sheet</a>' if e.sheet else ""
-        return (f'  <tr><td><a href="{html.escape(e.deck)}">{html.escape(e.title)}</a></td>'
-                f"<td>{html.escape(e.run_time)}</td><td>{sheet}</td></tr>")  # fmt: skip
+        return (
+            f'  <tr><td><a href="{html.escape(e.deck)}">{html.escape(e.title)}</a></td>'
+            f"<td>{html.escape(e.run_time)}</td><td>{sheet}</td></tr>"
+        )
 
     rows = "\n".join(row(e) for e in entries)
     return (

@@ -74,19 +74,32 @@ def records_table(records: dict[str, dict[str, Any]], reference: str = "single")
     """One row per record: last loss, largest relative loss difference to `reference`, wire bytes per
     collective, state bytes and peak memory per rank, median step time."""
     ref = records.get(reference, {}).get("losses")
-    rows = [("engine", "last loss", "max rel diff", "all-gather B", "reduce-scat B", "all-reduce B",
-             "state B/rank", "peak B/rank", "step ms")]  # fmt: skip
+    rows = [
+        (
+            "engine",
+            "last loss",
+            "max rel diff",
+            "all-gather B",
+            "reduce-scat B",
+            "all-reduce B",
+            "state B/rank",
+            "peak B/rank",
+            "step ms",
+        )
+    ]
     for name, rec in records.items():
         diff = max(abs(a - b) / abs(b) for a, b in zip(rec["losses"], ref, strict=True)) if ref else 0.0
-        rows.append((
-            name,
-            f"{rec['losses'][-1]:.6f}",
-            f"{diff:.1e}",
-            *(f"{wire_bytes(rec, kind):,}" for kind in COLLECTIVES),
-            f"{sum(rec['state_bytes'].values()):,}",
-            f"{max(rec['peak_mem_bytes']):,}",
-            f"{median_step_s(rec) * 1e3:.0f}",
-        ))  # fmt: skip
+        rows.append(
+            (
+                name,
+                f"{rec['losses'][-1]:.6f}",
+                f"{diff:.1e}",
+                *(f"{wire_bytes(rec, kind):,}" for kind in COLLECTIVES),
+                f"{sum(rec['state_bytes'].values()):,}",
+                f"{max(rec['peak_mem_bytes']):,}",
+                f"{median_step_s(rec) * 1e3:.0f}",
+            )
+        )
     return fixed_width(rows, rule=True)
 
 
@@ -95,23 +108,36 @@ def compare_table(result: dict[str, Any]) -> str:
     each engine's intra/inter-node bytes per collective."""
     cfg = result["config"]
     reference = result["engines"].get("single", {}).get("losses")
-    rows = [("engine", "final loss", "max|d single|", "step ms", "state/rank", "all-gather", "reduce-scatter",
-             "all-reduce", "peak mem")]  # fmt: skip
+    rows = [
+        (
+            "engine",
+            "final loss",
+            "max|d single|",
+            "step ms",
+            "state/rank",
+            "all-gather",
+            "reduce-scatter",
+            "all-reduce",
+            "peak mem",
+        )
+    ]
     for name, rec in result["engines"].items():
         diff = (
             f"{max(abs(a - b) for a, b in zip(rec['losses'], reference, strict=True)):.2e}"
             if reference
             else "-"
         )
-        rows.append((
-            name,
-            f"{rec['losses'][-1]:.6f}",
-            diff,
-            f"{median_step_s(rec) * 1e3:.1f}",
-            budget.format_bytes(sum(rec["state_bytes"].values())),
-            *(budget.format_bytes(wire_bytes(rec, kind)) for kind in COLLECTIVES),
-            budget.format_bytes(max(rec["peak_mem_bytes"])),
-        ))  # fmt: skip
+        rows.append(
+            (
+                name,
+                f"{rec['losses'][-1]:.6f}",
+                diff,
+                f"{median_step_s(rec) * 1e3:.1f}",
+                budget.format_bytes(sum(rec["state_bytes"].values())),
+                *(budget.format_bytes(wire_bytes(rec, kind)) for kind in COLLECTIVES),
+                budget.format_bytes(max(rec["peak_mem_bytes"])),
+            )
+        )
     title = (
         f"model {cfg['model']} ({cfg['n_params']:,} params), world size {cfg['world_size']}, {cfg['steps']} steps, "
         f"{cfg['dtype']}; wire bytes per rank in the last step (rank 0), peak mem = the largest rank's"
@@ -129,15 +155,17 @@ def _link_table(result: dict[str, Any]) -> list[str]:
     rows = [("engine", "nodes", *(f"{k.replace('_', '-')} intra/inter" for k in COLLECTIVES))]
     for name, rec in records.items():
         links = rec["comm_by_link"]
-        rows.append((
-            name,
-            str(max(rec["nodes"]) + 1),
-            *(
-                f"{budget.format_bytes(links.get(k, {}).get('intra_node_bytes', 0))} / "
-                f"{budget.format_bytes(links.get(k, {}).get('inter_node_bytes', 0))}"
-                for k in COLLECTIVES
-            ),
-        ))  # fmt: skip
+        rows.append(
+            (
+                name,
+                str(max(rec["nodes"]) + 1),
+                *(
+                    f"{budget.format_bytes(links.get(k, {}).get('intra_node_bytes', 0))} / "
+                    f"{budget.format_bytes(links.get(k, {}).get('inter_node_bytes', 0))}"
+                    for k in COLLECTIVES
+                ),
+            )
+        )
     head = "bytes on intra-node / inter-node links in the last step, all ranks summed (ring rule: docs/cluster.md)"
     return [head, fixed_width(rows)]
 
@@ -166,14 +194,16 @@ def offload_table(records: dict[str, dict[str, Any]]) -> str:
     """`offload_rows` as a table: bytes with thousands separators, the optimizer phase and step in ms."""
     rows = [("run", "engine state B", "optimizer B", "peak B", "optimizer ms", "step ms")]
     for row in offload_rows(records):
-        rows.append((
-            row["run"],
-            f"{row['device_state_bytes']:,}",
-            f"{row['optimizer_state_bytes']:,}",
-            f"{row['peak_mem_bytes']:,}",
-            f"{row['optimizer_phase_s'] * 1e3:.1f}",
-            f"{row['step_s'] * 1e3:.0f}",
-        ))  # fmt: skip
+        rows.append(
+            (
+                row["run"],
+                f"{row['device_state_bytes']:,}",
+                f"{row['optimizer_state_bytes']:,}",
+                f"{row['peak_mem_bytes']:,}",
+                f"{row['optimizer_phase_s'] * 1e3:.1f}",
+                f"{row['step_s'] * 1e3:.0f}",
+            )
+        )
     return fixed_width(rows)
 
 
@@ -184,14 +214,16 @@ def scale_rows(scenarios: dict[str, dict[str, Any]]) -> str:
     """A table of plans, one row per scenario: GPU, host and NVMe bytes per rank, offload and step time (s)."""
     rows = [("scenario", "GPU/rank", "host/rank", "NVMe/rank", "offload s", "step s")]
     for name, p in scenarios.items():
-        rows.append((
-            name,
-            budget.format_bytes(p["gpu_bytes_per_rank"]),
-            budget.format_bytes(sum(p["host_bytes_per_rank"].values())),
-            budget.format_bytes(sum(p["nvme_bytes_per_rank"].values())),
-            f"{p['offload_time_s']:.2f}",
-            f"{p['step_time_s']:.2f}",
-        ))  # fmt: skip
+        rows.append(
+            (
+                name,
+                budget.format_bytes(p["gpu_bytes_per_rank"]),
+                budget.format_bytes(sum(p["host_bytes_per_rank"].values())),
+                budget.format_bytes(sum(p["nvme_bytes_per_rank"].values())),
+                f"{p['offload_time_s']:.2f}",
+                f"{p['step_time_s']:.2f}",
+            )
+        )
     return fixed_width(rows, rule=True)
 
 
@@ -200,15 +232,17 @@ def strategy_rows(plans: dict[str, dict[str, Any]]) -> str:
     rows = [("scenario", "state/rank", "copies", "intra-node B", "inter-node B", "comm s", "exposed s")]
     for name, p in plans.items():
         links = p["traffic_bytes_by_link"]
-        rows.append((
-            name,
-            budget.format_bytes(p["state_bytes_per_rank"]),
-            str(p["copies_in_cluster"]["weights"]),
-            budget.format_bytes(links.get("intra_node", 0)),
-            budget.format_bytes(links.get("inter_node", 0)),
-            f"{p['comm_time_s']:.2f}",
-            f"{p['exposed_comm_s']:.2f}",
-        ))  # fmt: skip
+        rows.append(
+            (
+                name,
+                budget.format_bytes(p["state_bytes_per_rank"]),
+                str(p["copies_in_cluster"]["weights"]),
+                budget.format_bytes(links.get("intra_node", 0)),
+                budget.format_bytes(links.get("inter_node", 0)),
+                f"{p['comm_time_s']:.2f}",
+                f"{p['exposed_comm_s']:.2f}",
+            )
+        )
     return fixed_width(rows, rule=True)
 
 

@@ -75,14 +75,30 @@ CONTROLS: dict[str, tuple[str, str, dict]] = {
     "offload_params": ("dropdown", "offload params", {}),
     "prefetch": ("checkbox", "one-layer prefetch", {}),
     "reshard_after_forward": ("checkbox", "reshard after forward", {}),
-    "tokens_per_rank": ("log", "tokens/rank", {"base": 2, "low": 9, "high": 20, "step": 1, "readout_format": ".0f"}),
-    "link_gbytes": ("log", "NIC GB/s", {"base": 10, "low": 0, "high": 3, "step": 0.01, "readout_format": ".3g"}),
-    "intra_gbytes": ("log", "NVLink GB/s", {"base": 10, "low": 1, "high": 3.5, "step": 0.01, "readout_format": ".3g"}),
-    "peak_tflops": ("log", "peak TFLOP/s", {"base": 10, "low": 1, "high": 4, "step": 0.01, "readout_format": ".4g"}),
+    "tokens_per_rank": (
+        "log",
+        "tokens/rank",
+        {"base": 2, "low": 9, "high": 20, "step": 1, "readout_format": ".0f"},
+    ),
+    "link_gbytes": (
+        "log",
+        "NIC GB/s",
+        {"base": 10, "low": 0, "high": 3, "step": 0.01, "readout_format": ".3g"},
+    ),
+    "intra_gbytes": (
+        "log",
+        "NVLink GB/s",
+        {"base": 10, "low": 1, "high": 3.5, "step": 0.01, "readout_format": ".3g"},
+    ),
+    "peak_tflops": (
+        "log",
+        "peak TFLOP/s",
+        {"base": 10, "low": 1, "high": 4, "step": 0.01, "readout_format": ".4g"},
+    ),
     "mfu": ("slider", "MFU", {"min": 0.05, "max": 1.0, "step": 0.01}),
     "gpu_memory_bytes": ("bytes", "GPU memory", {"options": GPU_MEMORY_CHOICES}),
     "host_memory_bytes": ("bytes", "host RAM/node", {"options": HOST_MEMORY_CHOICES}),
-}  # fmt: skip
+}
 # How the controls are laid out: one row of widgets per tuple.
 ROWS = (
     ("params", "world_size"),

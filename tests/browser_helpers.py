@@ -76,8 +76,11 @@ def make_lab_command(port: int, args: list[str]) -> list[str]:
     """The command `make lab PORT=port ARGS=args` runs in the checkout, from a dry run (`make -n`); its
     program resolved against the checkout, its other arguments (the notebook folder) left as make gives them.
     A set-up that is not done, or out of date, fails the test: `make lab` would redo it first."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PORT", "ARGS", "VENV", "PYTHON")}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PORT", "ARGS", "VENV", "PYTHON")
+    }
     quoted = " ".join(shlex.quote(a) for a in args)
     assert "$" not in quoted, f"make would expand the $ in ARGS={quoted}"
     dry = subprocess.run(

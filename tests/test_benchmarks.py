@@ -25,8 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
     ],
 )
 def test_the_gpu_scripts_refuse_without_cuda_in_one_sentence(tmp_path, script, sentence):
-    out = subprocess.run([sys.executable, ROOT / "benchmarks" / script, "--out", tmp_path / "r.md"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, ROOT / "benchmarks" / script, "--out", tmp_path / "r.md"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [sentence]
     assert not (tmp_path / "r.md").exists()

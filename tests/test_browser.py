@@ -381,14 +381,27 @@ def test_lab_command_is_the_makefiles_own():
     argv = make_lab_command(
         8123, ["--no-browser", "--IdentityProvider.token=a b", "--ServerApp.ip=127.0.0.1"]
     )
-    recipe = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if ln.startswith("\t") and
-                  "jupyter lab" in ln)  # fmt: skip
+    recipe = next(
+        ln
+        for ln in (ROOT / "Makefile").read_text().splitlines()
+        if ln.startswith("\t") and "jupyter lab" in ln
+    )
     assert recipe == "\t$(VENV)/bin/jupyter lab --notebook-dir notebooks --port $(PORT) $(ROOT) $(ARGS)", (
         "the Makefile's lab recipe changed: check what running_lab expects of it"
     )
     root = ["--allow-root"] if os.geteuid() == 0 else []
-    assert argv == [str(ROOT / ".venv" / "bin" / "jupyter"), "lab", "--notebook-dir", "notebooks", "--port",
-                    "8123", *root, "--no-browser", "--IdentityProvider.token=a b", "--ServerApp.ip=127.0.0.1"]  # fmt: skip
+    assert argv == [
+        str(ROOT / ".venv" / "bin" / "jupyter"),
+        "lab",
+        "--notebook-dir",
+        "notebooks",
+        "--port",
+        "8123",
+        *root,
+        "--no-browser",
+        "--IdentityProvider.token=a b",
+        "--ServerApp.ip=127.0.0.1",
+    ]
 
 
 def test_a_missing_chromium_fails_with_the_command_that_installs_it(monkeypatch, tmp_path):

@@ -416,16 +416,27 @@ def test_deepspeed_accounting_7_5b_on_64():
 def test_deepspeed_estimator_matches_deepspeed(stage, offload, offload_params, zero_init, nodes, per_node):
     pytest.importorskip("deepspeed")
     ours = budget.deepspeed_zero_estimate(
-        7_500_000_000, LARGEST_7B, stage=stage, num_gpus_per_node=per_node, num_nodes=nodes,
-        cpu_offload=offload, cpu_offload_params=offload_params, zero_init=zero_init,
-    )  # fmt: skip
+        7_500_000_000,
+        LARGEST_7B,
+        stage=stage,
+        num_gpus_per_node=per_node,
+        num_nodes=nodes,
+        cpu_offload=offload,
+        cpu_offload_params=offload_params,
+        zero_init=zero_init,
+    )
     if stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-            7_500_000_000, LARGEST_7B, num_gpus_per_node=per_node, num_nodes=nodes,
-            cpu_offload=offload, cpu_offload_params=offload_params, zero_init=zero_init,
-        )  # fmt: skip
+            7_500_000_000,
+            LARGEST_7B,
+            num_gpus_per_node=per_node,
+            num_nodes=nodes,
+            cpu_offload=offload,
+            cpu_offload_params=offload_params,
+            zero_init=zero_init,
+        )
     else:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -536,8 +547,11 @@ def test_fewest_ranks_says_why_nothing_fits():
 
 
 def test_fewest_ranks_is_the_first_that_fits():
-    for params, strategy, opts in ((7e9, "zero2", {}), (30e9, "zero3", {"largest_layer_params": 3e8}),
-                                   (70e9, "zero3", {"offload_optimizer": "cpu", "host_memory_bytes": 5e11})):  # fmt: skip
+    for params, strategy, opts in (
+        (7e9, "zero2", {}),
+        (30e9, "zero3", {"largest_layer_params": 3e8}),
+        (70e9, "zero3", {"offload_optimizer": "cpu", "host_memory_bytes": 5e11}),
+    ):
         n = budget.fewest_ranks(params, strategy, **opts)["world_size"]
         assert plan(params, n, strategy, **opts)["fits"] and not plan(params, n - 1, strategy, **opts)["fits"]
 
@@ -588,12 +602,17 @@ def test_needs_offload_weighs_host_memory_too():
     fits = budget.needs_offload(30e9, 256, 80e9)
     assert fits["fits_without_offload"] and fits["offload"] is None and fits["tried"] == []
     tight = budget.needs_offload(70e9, 8, 80e9)
-    assert tight["offload"] == {"offload_optimizer": "cpu", "offload_params": "none",
-                                "gpu_bytes_per_rank": 17.5e9, "host_bytes_per_node": 1.12e12}  # fmt: skip
+    assert tight["offload"] == {
+        "offload_optimizer": "cpu",
+        "offload_params": "none",
+        "gpu_bytes_per_rank": 17.5e9,
+        "host_bytes_per_node": 1.12e12,
+    }
     # 1 TB of host RAM: cpu offloads (1.12 TB, 1.26 TB per node) do not fit; nvme for the optimizer does
     small_host = budget.needs_offload(70e9, 8, 80e9, host_memory_bytes=1e12)
-    assert [(t["offload_optimizer"], t["offload_params"], t["fits_host_memory"]) for t in small_host["tried"]] == [
-        ("cpu", "none", False), ("cpu", "cpu", False), ("nvme", "cpu", True)]  # fmt: skip
+    assert [
+        (t["offload_optimizer"], t["offload_params"], t["fits_host_memory"]) for t in small_host["tried"]
+    ] == [("cpu", "none", False), ("cpu", "cpu", False), ("nvme", "cpu", True)]
     assert small_host["offload"]["host_bytes_per_node"] == (4 + 2) * 70e9  # fp32 grads + bf16 weights
     from labkit import tables
 
@@ -700,11 +719,19 @@ def test_activation_formula_predicts_the_measured_peak(measured_activations):
 
 def test_exposed_floor_finds_the_collectives_with_no_compute_beside_them_at_each_depth():
     # forward order: an embedding (no compute), two blocks, a head kept across the turn
-    units = [budget.UnitCost("emb", 10, 10, True, False), budget.UnitCost("b0", 20, 20, True, True),
-             budget.UnitCost("b1", 20, 20, True, True), budget.UnitCost("head", 5, 5, False, True)]  # fmt: skip
+    units = [
+        budget.UnitCost("emb", 10, 10, True, False),
+        budget.UnitCost("b0", 20, 20, True, True),
+        budget.UnitCost("b1", 20, 20, True, True),
+        budget.UnitCost("head", 5, 5, False, True),
+    ]
     floor = budget.exposed_floor(units, prefetch_depth=1)
-    assert floor["exposed"] == [("emb", "forward all-gather"), ("b0", "forward all-gather"),
-                                ("b0", "reduce-scatter"), ("emb", "reduce-scatter")]  # fmt: skip
+    assert floor["exposed"] == [
+        ("emb", "forward all-gather"),
+        ("b0", "forward all-gather"),
+        ("b0", "reduce-scatter"),
+        ("emb", "reduce-scatter"),
+    ]
     assert floor["comm_wire_bytes"] == 3 * 10 + 3 * 20 + 3 * 20 + 2 * 5
     assert floor["floor_wire_bytes"] == 60 and floor["floor_share"] == 60 / 160
     # in seconds, a fixed cost per call (a backend's latency) weighs each collective: 1 s per gather, 2 s

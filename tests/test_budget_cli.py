@@ -52,8 +52,27 @@ def test_json_to_stdout_is_plan(capsys):
 
 def test_json_to_file_and_options_reach_plan(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    argv = ["budget", "--params", "7e9", "--world-size", "16", "--strategy", "zero2", "--tokens-per-rank", "4096",
-            "--link-gbytes", "25", "--peak-tflops", "312", "--mfu", "0.5", "--precision", "fp32", "--json", str(out)]  # fmt: skip
+    argv = [
+        "budget",
+        "--params",
+        "7e9",
+        "--world-size",
+        "16",
+        "--strategy",
+        "zero2",
+        "--tokens-per-rank",
+        "4096",
+        "--link-gbytes",
+        "25",
+        "--peak-tflops",
+        "312",
+        "--mfu",
+        "0.5",
+        "--precision",
+        "fp32",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     assert "zero2" in capsys.readouterr().out  # the table still prints
     result = json.loads(out.read_text())
@@ -106,8 +125,20 @@ def test_bad_input_is_one_line_and_exit_2(argv, flag, capsys):
 
 
 def test_bad_input_in_a_real_process_has_no_traceback():
-    cmd = [sys.executable, "-m", "labkit", "budget", "--params", "30e9", "--world-size", "256", "--strategy", "hsdp",
-           "--group-size", "3"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "labkit",
+        "budget",
+        "--params",
+        "30e9",
+        "--world-size",
+        "256",
+        "--strategy",
+        "hsdp",
+        "--group-size",
+        "3",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
@@ -146,12 +177,30 @@ def test_help_imports_no_torch():
 
 
 def test_size_suffixes_reach_plan(capsys):
-    argv = ["budget", "--params", "70B", "--world-size", "8", "--gpu-memory", "141GB", "--host-memory", "1TB",
-            "--link-gbytes", "50GB/s", "--intra-gbytes", "0.9TB/s", "--offload-optimizer", "cpu", "--json", "-"]  # fmt: skip
+    argv = [
+        "budget",
+        "--params",
+        "70B",
+        "--world-size",
+        "8",
+        "--gpu-memory",
+        "141GB",
+        "--host-memory",
+        "1TB",
+        "--link-gbytes",
+        "50GB/s",
+        "--intra-gbytes",
+        "0.9TB/s",
+        "--offload-optimizer",
+        "cpu",
+        "--json",
+        "-",
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    expected = budget.plan(70e9, 8, gpu_memory_bytes=141e9, host_memory_bytes=1e12, intra_gbytes=900.0,
-                           offload_optimizer="cpu")  # fmt: skip
+    expected = budget.plan(
+        70e9, 8, gpu_memory_bytes=141e9, host_memory_bytes=1e12, intra_gbytes=900.0, offload_optimizer="cpu"
+    )
     assert result == json.loads(json.dumps(expected))
     assert result["params"] == 70_000_000_000 and result["options"]["intra_gbytes"] == 900.0
     args = build_parser().parse_args(
@@ -253,12 +302,26 @@ def test_help_lists_the_assumptions():
         lines.index("the step time assumes (defaults; every plan prints the values it used):") + 1 :
     ]
     shown = [line[:44].split() for line in epilog[:-1]]  # the flag and its default, in two columns
-    assert shown == [["--tokens-per-rank", "16384", "tokens"], ["--peak-tflops", "989", "TFLOP/s"], ["--mfu", "0.4"],
-                     ["--link-gbytes", "50", "GB/s"], ["--intra-gbytes", "450", "GB/s"], ["--host-gbytes", "25", "GB/s"],
-                     ["--nvme-gbytes", "5", "GB/s"], ["--host-adam-params-per-s", "1B", "params/s"]]  # fmt: skip
+    assert shown == [
+        ["--tokens-per-rank", "16384", "tokens"],
+        ["--peak-tflops", "989", "TFLOP/s"],
+        ["--mfu", "0.4"],
+        ["--link-gbytes", "50", "GB/s"],
+        ["--intra-gbytes", "450", "GB/s"],
+        ["--host-gbytes", "25", "GB/s"],
+        ["--nvme-gbytes", "5", "GB/s"],
+        ["--host-adam-params-per-s", "1B", "params/s"],
+    ]
     assert [i.name for i in budget.INPUTS if i.spec.assumption] == [
-        "tokens_per_rank", "peak_tflops", "mfu", "link_gbytes", "intra_gbytes", "host_gbytes", "nvme_gbytes",
-        "host_adam_params_per_s"]  # fmt: skip
+        "tokens_per_rank",
+        "peak_tflops",
+        "mfu",
+        "link_gbytes",
+        "intra_gbytes",
+        "host_gbytes",
+        "nvme_gbytes",
+        "host_adam_params_per_s",
+    ]
     text = " ".join(lines)
     text = " ".join(text.split())
     assert (

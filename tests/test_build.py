@@ -164,36 +164,89 @@ def _stub_shard(full, rank, n):
 
 P = PIECES
 PLANTED = {  # name: (step, pieces, words the sentence must contain)
-    "no padding": ("shard", dataclasses.replace(P, shard=lambda full, r, n: full.tensor_split(n)[r].clone()),
-                   ["rank 2 of 3 has 33 rows of the 101-row tok.weight", "ceil(101/3) = 34", "zero-padded"]),
-    "stub": ("shard", dataclasses.replace(P, shard=_stub_shard), ["write this piece: shard (the idea), then run this check again"]),
-    "gather keeps padding": ("gather", dataclasses.replace(P, gather=lambda s, d0, group=None: FILLED["gather"](
-        s, s.shape[0] * dist.get_world_size(group), group)), ["102 rows of tok.weight", "first d0 = 101"]),
-    "missing free": ("forward", dataclasses.replace(P, after_forward=lambda unit: None),
-                     ["after forward root, blocks.0, blocks.1 and blocks.2 still hold", "free them in after_forward"]),
-    "free by .data": ("forward", dataclasses.replace(P, after_forward=_swap_free),
-                      ["autograd still holds the full weights of blocks.0", "replacing p.data", "resize_(0)"]),
-    "hooks swapped": ("forward", dataclasses.replace(P, before_forward=P.after_forward, after_forward=P.before_forward),
-                      ["the forward of root found no weights", "before_forward must gather"]),
-    "no backward gather": ("backward", dataclasses.replace(P, before_backward=lambda unit: None),
-                           ["the backward of root found its weights freed", "gather them again in before_backward"]),
-    "backward gather into a new tensor": ("backward", dataclasses.replace(P, before_backward=_gather_into_new_tensor),
-                                          ["before_backward gave root's parameters new tensors", "into the same storage"]),
-    "mean instead of a sum": ("reduce_scatter", dataclasses.replace(P, after_grad=_after_grad(dist.ReduceOp.AVG)),
-                              ["1/3 of single's", "mean was taken twice"]),
-    "not divided by n": ("reduce_scatter", dataclasses.replace(P, after_grad=_after_grad(divide=False)),
-                         ["3 x single's", "divide by n"]),
-    "full grads kept": ("reduce_scatter", dataclasses.replace(P, after_grad=_after_grad(drop_grad=False)),
-                        ["full gradients are still there", "p.grad = None"]),
-    "weights kept after grad": ("reduce_scatter", dataclasses.replace(P, after_grad=_after_grad(free=False)),
-                                ["still hold full weights", "free them in after_grad"]),
-    "AdamW on copies": ("adamw", dataclasses.replace(P, make_optimizer=lambda shards: _lab_adamw(
-        [s.detach().clone() for s in shards])), ["41 tensors that are not this rank's shards"]),
-    "AdamW defaults": ("adamw", dataclasses.replace(P, make_optimizer=lambda shards: torch.optim.AdamW(shards)),
-                       ["betas=(0.9, 0.999), weight_decay=0.01", "not the lab's betas=(0.9, 0.95), weight_decay=0.1"]),
-    "SGD": ("adamw", dataclasses.replace(P, make_optimizer=lambda shards: torch.optim.SGD(shards, lr=1e-3)),
-            ["the optimizer is SGD, not AdamW"]),
-}  # fmt: skip
+    "no padding": (
+        "shard",
+        dataclasses.replace(P, shard=lambda full, r, n: full.tensor_split(n)[r].clone()),
+        ["rank 2 of 3 has 33 rows of the 101-row tok.weight", "ceil(101/3) = 34", "zero-padded"],
+    ),
+    "stub": (
+        "shard",
+        dataclasses.replace(P, shard=_stub_shard),
+        ["write this piece: shard (the idea), then run this check again"],
+    ),
+    "gather keeps padding": (
+        "gather",
+        dataclasses.replace(
+            P,
+            gather=lambda s, d0, group=None: FILLED["gather"](
+                s, s.shape[0] * dist.get_world_size(group), group
+            ),
+        ),
+        ["102 rows of tok.weight", "first d0 = 101"],
+    ),
+    "missing free": (
+        "forward",
+        dataclasses.replace(P, after_forward=lambda unit: None),
+        ["after forward root, blocks.0, blocks.1 and blocks.2 still hold", "free them in after_forward"],
+    ),
+    "free by .data": (
+        "forward",
+        dataclasses.replace(P, after_forward=_swap_free),
+        ["autograd still holds the full weights of blocks.0", "replacing p.data", "resize_(0)"],
+    ),
+    "hooks swapped": (
+        "forward",
+        dataclasses.replace(P, before_forward=P.after_forward, after_forward=P.before_forward),
+        ["the forward of root found no weights", "before_forward must gather"],
+    ),
+    "no backward gather": (
+        "backward",
+        dataclasses.replace(P, before_backward=lambda unit: None),
+        ["the backward of root found its weights freed", "gather them again in before_backward"],
+    ),
+    "backward gather into a new tensor": (
+        "backward",
+        dataclasses.replace(P, before_backward=_gather_into_new_tensor),
+        ["before_backward gave root's parameters new tensors", "into the same storage"],
+    ),
+    "mean instead of a sum": (
+        "reduce_scatter",
+        dataclasses.replace(P, after_grad=_after_grad(dist.ReduceOp.AVG)),
+        ["1/3 of single's", "mean was taken twice"],
+    ),
+    "not divided by n": (
+        "reduce_scatter",
+        dataclasses.replace(P, after_grad=_after_grad(divide=False)),
+        ["3 x single's", "divide by n"],
+    ),
+    "full grads kept": (
+        "reduce_scatter",
+        dataclasses.replace(P, after_grad=_after_grad(drop_grad=False)),
+        ["full gradients are still there", "p.grad = None"],
+    ),
+    "weights kept after grad": (
+        "reduce_scatter",
+        dataclasses.replace(P, after_grad=_after_grad(free=False)),
+        ["still hold full weights", "free them in after_grad"],
+    ),
+    "AdamW on copies": (
+        "adamw",
+        dataclasses.replace(
+            P, make_optimizer=lambda shards: _lab_adamw([s.detach().clone() for s in shards])
+        ),
+        ["41 tensors that are not this rank's shards"],
+    ),
+    "AdamW defaults": (
+        "adamw",
+        dataclasses.replace(P, make_optimizer=lambda shards: torch.optim.AdamW(shards)),
+        ["betas=(0.9, 0.999), weight_decay=0.01", "not the lab's betas=(0.9, 0.95), weight_decay=0.1"],
+    ),
+    "SGD": (
+        "adamw",
+        dataclasses.replace(P, make_optimizer=lambda shards: torch.optim.SGD(shards, lr=1e-3)),
+        ["the optimizer is SGD, not AdamW"],
+    ),
+}
 
 
 @pytest.fixture(scope="module")

@@ -93,8 +93,25 @@ def test_a_profile_without_the_world_size_or_the_keys_is_refused_in_one_sentence
 def test_labkit_budget_machine_prints_the_calibrated_step_and_refuses_a_missing_file(tmp_path, capsys):
     path = tmp_path / "machine.json"
     path.write_text(json.dumps(HAND))
-    argv = ["budget", "--params", "1e6", "--world-size", "2", "--layers", "4", "--tokens-per-rank", "1000",
-            "--precision", "fp32", "--gpus-per-node", "2", "--machine", str(path), "--json", "-"]  # fmt: skip
+    argv = [
+        "budget",
+        "--params",
+        "1e6",
+        "--world-size",
+        "2",
+        "--layers",
+        "4",
+        "--tokens-per-rank",
+        "1000",
+        "--precision",
+        "fp32",
+        "--gpus-per-node",
+        "2",
+        "--machine",
+        str(path),
+        "--json",
+        "-",
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["compute_time_s"] == pytest.approx(1.2) and result["machine"]["core_share"] == 0.5

@@ -19,8 +19,19 @@ from labkit.model import build_model, count_params
 def run_compare(tmp_path, capsys, engines: list[str], world_size: int, steps: int, seed: int):
     """`labkit compare` through the CLI: (its JSON, the table's lines on stdout, stderr)."""
     out = tmp_path / "compare.json"
-    argv = ["compare", "--engines", ",".join(engines), "--world-size", str(world_size), "--steps", str(steps),
-            "--seed", str(seed), "--json", str(out)]  # fmt: skip
+    argv = [
+        "compare",
+        "--engines",
+        ",".join(engines),
+        "--world-size",
+        str(world_size),
+        "--steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     return json.loads(out.read_text()), captured.out.splitlines(), captured.err
@@ -30,7 +41,12 @@ def assert_contract(result: dict, engines: list[str], world_size: int, steps: in
     """The JSON of DESIGN.md's `labkit compare` contract, with real values, for every engine run."""
     cfg = result["config"]
     assert {k: cfg[k] for k in ("model", "world_size", "steps", "dtype", "seed")} == {
-        "model": "tiny", "world_size": world_size, "steps": steps, "dtype": "float32", "seed": seed}  # fmt: skip
+        "model": "tiny",
+        "world_size": world_size,
+        "steps": steps,
+        "dtype": "float32",
+        "seed": seed,
+    }
     assert cfg["n_params"] == count_params(build_model("tiny", seed))
     assert list(result["engines"]) == engines
     for name, rec in result["engines"].items():

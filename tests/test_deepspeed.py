@@ -283,8 +283,11 @@ def _under_deepspeed_launcher(script) -> str:
     try:
         done = subprocess.run(
             [launcher, "--num_gpus", "2", "--master_port", str(port), str(script)],
-            env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
     finally:
         for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
             os.remove(path)

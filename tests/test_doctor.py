@@ -17,15 +17,32 @@ import torch
 from labkit import classroom, cluster, doctor, limits, prebuild
 from labkit.cli import main
 
-KEYS = {"versions", "pinned", "devices", "backend", "limits", "max_ranks", "max_ranks_by_device", "notebooks",
-        "toolchain", "deepspeed_ops", "ninja", "kernel", "smoke_test", "problems", "ok", "torch"}  # fmt: skip
+KEYS = {
+    "versions",
+    "pinned",
+    "devices",
+    "backend",
+    "limits",
+    "max_ranks",
+    "max_ranks_by_device",
+    "notebooks",
+    "toolchain",
+    "deepspeed_ops",
+    "ninja",
+    "kernel",
+    "smoke_test",
+    "problems",
+    "ok",
+    "torch",
+}
 
 
 @pytest.fixture(scope="module")
 def cli_json() -> tuple[subprocess.CompletedProcess, dict]:
     """One real `labkit doctor --json -` in its own process, smoke test included."""
-    out = subprocess.run([sys.executable, "-m", "labkit", "doctor", "--json", "-"], capture_output=True,
-                         text=True, timeout=180)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit", "doctor", "--json", "-"], capture_output=True, text=True, timeout=180
+    )
     return out, json.loads(out.stdout)  # stdout carries the JSON and nothing else
 
 
@@ -38,8 +55,12 @@ def test_json_report_is_real(cli_json):
     for name in ("deepspeed", "jupyterlab", "ipywidgets"):
         assert v[name] == importlib.metadata.version(name)
     where = cluster.placement(2)
-    assert report["backend"] == {"world_size": 2, "backend": where.backend, "device_type": where.device_type,
-                                 "start_method": where.start_method}  # fmt: skip
+    assert report["backend"] == {
+        "world_size": 2,
+        "backend": where.backend,
+        "device_type": where.device_type,
+        "start_method": where.start_method,
+    }
     assert report["max_ranks"] == cluster.max_ranks()
     assert report["max_ranks_by_device"]["cpu"] == cluster.max_ranks("cpu")
     lim, now = report["limits"], limits.read_limits()
@@ -149,8 +170,14 @@ def test_registered_kernel_runs_this_python():
 
 def _node(**changes) -> prebuild.Toolchain:
     """A made-up GPU node with everything the CUDA ops need; `changes` take pieces away."""
-    base = {"gpus": 1, "torch_cuda": "12.8", "cuda_home": "/usr/local/cuda", "nvcc_release": "12.8",
-            "libaio": True, "linux": True}  # fmt: skip
+    base = {
+        "gpus": 1,
+        "torch_cuda": "12.8",
+        "cuda_home": "/usr/local/cuda",
+        "nvcc_release": "12.8",
+        "libaio": True,
+        "linux": True,
+    }
     return prebuild.Toolchain(**{**base, **changes})
 
 
@@ -218,9 +245,14 @@ def test_the_doctor_reports_the_toolchain_and_each_cuda_ops_status(monkeypatch, 
     (tmp_path / prebuild.CUDA_SUBDIR / "quantizer" / "quantizer.so").write_bytes(b"")
     monkeypatch.setattr(prebuild, "toolchain", lambda: _node(libaio=False))
     report = doctor.diagnose(smoke=False)
-    assert report["toolchain"] == {"cuda_home": "/usr/local/cuda", "nvcc": shutil.which("nvcc"),
-                                   "nvcc_release": "12.8", "torch_cuda": "12.8", "visible_gpus": 1,
-                                   "libaio": False}  # fmt: skip
+    assert report["toolchain"] == {
+        "cuda_home": "/usr/local/cuda",
+        "nvcc": shutil.which("nvcc"),
+        "nvcc_release": "12.8",
+        "torch_cuda": "12.8",
+        "visible_gpus": 1,
+        "libaio": False,
+    }
     ops = report["deepspeed_ops"]
     assert ops["cuda_ops"] == {"async_io": "unbuildable", "quantizer": "built"}
     assert ops["cuda_extensions_dir"] == str(tmp_path / prebuild.CUDA_SUBDIR) and not ops["ready"]

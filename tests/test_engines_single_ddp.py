@@ -36,8 +36,11 @@ def test_ddp_matches_single_and_pays_one_all_reduce_of_the_gradients(n, repeat, 
     n_params, n_tensors = sum(p.numel() for p in params), len(params)
     # fp32 AdamW: param + grad + exp_avg + exp_avg_sq = 16 B/param, plus AdamW's step scalars: one 4-byte
     # `step` per tensor it updates (on the CPU: not `capturable`, not `fused`)
-    assert record["state_bytes"] == {"params": F32 * n_params, "grads": F32 * n_params,
-                                     "optimizer": 2 * F32 * n_params + STEP_SCALAR_BYTES * n_tensors}  # fmt: skip
+    assert record["state_bytes"] == {
+        "params": F32 * n_params,
+        "grads": F32 * n_params,
+        "optimizer": 2 * F32 * n_params + STEP_SCALAR_BYTES * n_tensors,
+    }
     grad_bytes = F32 * n_params
     assert set(record["comm"]) == {"all_reduce"}
     assert record["comm"]["all_reduce"]["payload_bytes"] == grad_bytes

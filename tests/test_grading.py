@@ -244,18 +244,41 @@ def side_runs(tmp_path_factory):
     folder = root / "class"
     folder.mkdir()
     (folder / "bob.ipynb").write_text("bob's own work")
-    hostile_source = HOSTILE_STATE.format(port=server.getsockname()[1], other=str(folder / "bob.ipynb"),
-                                          reports=str(root))  # fmt: skip
+    hostile_source = HOSTILE_STATE.format(
+        port=server.getsockname()[1], other=str(folder / "bob.ipynb"), reports=str(root)
+    )
     nbformat.write(edited(SOL01, "answer-state", hostile_source, append=False), folder / "mallory.ipynb")
     started = time.monotonic()
     cmds = {
-        "hang": ["grade", str(hang), "--out", str(root / "hang.report.json"), "--timeout", str(HANG_TIMEOUT_S),
-                 "--check-timeout", str(HANG_CHECK_S), "--sandbox", "none"],
-        "hostile": ["grade", str(folder / "mallory.ipynb"), "--out", str(root / "reports" / "mallory.report.json"),
-                    "--memory-limit", HOSTILE_MEMORY, "--max-processes", str(HOSTILE_PROCESSES)],
-    }  # fmt: skip
-    procs = {k: subprocess.Popen([sys.executable, "-m", "labkit", *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True) for k, a in cmds.items()}  # fmt: skip
+        "hang": [
+            "grade",
+            str(hang),
+            "--out",
+            str(root / "hang.report.json"),
+            "--timeout",
+            str(HANG_TIMEOUT_S),
+            "--check-timeout",
+            str(HANG_CHECK_S),
+            "--sandbox",
+            "none",
+        ],
+        "hostile": [
+            "grade",
+            str(folder / "mallory.ipynb"),
+            "--out",
+            str(root / "reports" / "mallory.report.json"),
+            "--memory-limit",
+            HOSTILE_MEMORY,
+            "--max-processes",
+            str(HOSTILE_PROCESSES),
+        ],
+    }
+    procs = {
+        k: subprocess.Popen(
+            [sys.executable, "-m", "labkit", *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for k, a in cmds.items()
+    }
     results: dict = {}
 
     def finish(name: str) -> dict:
@@ -263,8 +286,11 @@ def side_runs(tmp_path_factory):
             out, err = procs[name].communicate(timeout=600)
             assert procs[name].returncode == 0, err
             target = cmds[name][cmds[name].index("--out") + 1]
-            results[name] = {"report": json.loads(Path(target).read_text()), "stdout": out,
-                             "elapsed_s": time.monotonic() - started}  # fmt: skip
+            results[name] = {
+                "report": json.loads(Path(target).read_text()),
+                "stdout": out,
+                "elapsed_s": time.monotonic() - started,
+            }
         return results[name]
 
     yield {"finish": finish, "pid_file": pid_file, "received": received}
@@ -288,10 +314,25 @@ def batch(tmp_path_factory, side_runs):
     canvas = root / "canvas.csv"
     start = time.monotonic()
     done = labkit_cli(
-        "grade", str(folder), "--gradebook", str(gradebook), "--timeout", str(BATCH_TIMEOUT_S), "--jobs", "3",
-        "--seed", str(BATCH_SEED), "--roster", str(roster), "--deadline", DEADLINE, "--canvas", str(canvas),
-        "--memory-limit", BATCH_MEMORY,
-    )  # fmt: skip
+        "grade",
+        str(folder),
+        "--gradebook",
+        str(gradebook),
+        "--timeout",
+        str(BATCH_TIMEOUT_S),
+        "--jobs",
+        "3",
+        "--seed",
+        str(BATCH_SEED),
+        "--roster",
+        str(roster),
+        "--deadline",
+        DEADLINE,
+        "--canvas",
+        str(canvas),
+        "--memory-limit",
+        BATCH_MEMORY,
+    )
     elapsed = time.monotonic() - start
     assert done.returncode == 0, done.stderr
     reports = {
@@ -300,8 +341,16 @@ def batch(tmp_path_factory, side_runs):
     with open(gradebook, newline="") as f:
         rows = list(csv.DictReader(f))
     print(f"\nbatch of {len(kinds)}: {elapsed:.1f} s")
-    return {"kinds": kinds, "reports": reports, "rows": rows, "stdout": done.stdout, "dir": report_dir,
-            "folder": folder, "gradebook": gradebook, "canvas": canvas}  # fmt: skip
+    return {
+        "kinds": kinds,
+        "reports": reports,
+        "rows": rows,
+        "stdout": done.stdout,
+        "dir": report_dir,
+        "folder": folder,
+        "gradebook": gradebook,
+        "canvas": canvas,
+    }
 
 
 def of_kind(batch, kind: str) -> dict[str, dict]:
@@ -669,8 +718,10 @@ def test_seeds_are_reproducible_and_per_student():
     assert len(seeds) == 8 and all(0 <= x < 2**31 for x in seeds)
     exercise = load("ex02_shard")
     shard = exercise.checks[0]
-    twice = [judge_all(exercise, {shard.name: probe_one(shard, {"shard_rows": wrong_padding_shard}, 5)}, 5)[0]
-             for _ in range(2)]  # fmt: skip
+    twice = [
+        judge_all(exercise, {shard.name: probe_one(shard, {"shard_rows": wrong_padding_shard}, 5)}, 5)[0]
+        for _ in range(2)
+    ]
     assert twice[0] == twice[1]
 
 
@@ -678,19 +729,25 @@ def test_seeds_are_reproducible_and_per_student():
     "source, uses",
     [
         (LIBRARY_SHARD, ["labkit.zero.sharding.shard_dim0"]),
-        ("from labkit.zero.sharding import shard_dim0 as s\ndef shard_rows(f, r, n):\n    return s(f, r, n)",
-         ["labkit.zero.sharding.shard_dim0"]),
-        ("def shard_rows(f, r, n):\n    return getattr(labkit.zero, 'sharding').shard_dim0(f, r, n)",
-         ["labkit.zero.sharding.shard_dim0"]),
+        (
+            "from labkit.zero.sharding import shard_dim0 as s\ndef shard_rows(f, r, n):\n    return s(f, r, n)",
+            ["labkit.zero.sharding.shard_dim0"],
+        ),
+        (
+            "def shard_rows(f, r, n):\n    return getattr(labkit.zero, 'sharding').shard_dim0(f, r, n)",
+            ["labkit.zero.sharding.shard_dim0"],
+        ),
         ("import importlib\nm = importlib.import_module('labkit.zero.sharding')", ["labkit.zero"]),
         (WRONG_PADDING, []),
         ("def gather_full(s, d0, n):\n    return labkit.launch(print, 1)", []),
     ],
-)  # fmt: skip
+)
 def test_the_integrity_rule_reads_the_answer_cells(source, uses):
     exercise = load("ex02_shard")
-    cells = [{"id": "setup", "role": "setup", "source": "import torch\nimport labkit"},
-             {"id": "answer-shard", "role": "answer", "source": source}]  # fmt: skip
+    cells = [
+        {"id": "setup", "role": "setup", "source": "import torch\nimport labkit"},
+        {"id": "answer-shard", "role": "answer", "source": source},
+    ]
     found = integrity.scan(cells, exercise.forbidden, exercise.allowed)
     assert (found["answer-shard"]["uses"] if found else []) == uses
 
@@ -709,8 +766,12 @@ def test_an_answer_that_is_labkits_own_function_is_found_in_the_namespace():
     from labkit.zero.sharding import dim0_rows, shard_dim0
 
     exercise = load("ex03_reduce_scatter")
-    found = integrity.answer_origins({"pack_grads": shard_dim0, "reduce_scatter_mean": dim0_rows},
-                                     ["pack_grads", "reduce_scatter_mean"], exercise.forbidden, exercise.allowed)  # fmt: skip
+    found = integrity.answer_origins(
+        {"pack_grads": shard_dim0, "reduce_scatter_mean": dim0_rows},
+        ["pack_grads", "reduce_scatter_mean"],
+        exercise.forbidden,
+        exercise.allowed,
+    )
     assert found == {"pack_grads": "labkit.zero.sharding.shard_dim0"}  # dim0_rows is handed out on purpose
 
 
@@ -766,17 +827,30 @@ def test_a_cell_or_a_probe_past_its_limit_is_stopped_and_located(tmp_path):
 
 def test_gradebook_pieces_roster_deadline_update_and_canvas(tmp_path):
     roster = tmp_path / "roster.csv"
-    roster.write_text("Student,ID,SIS User ID,SIS Login ID,Section\nAda Lovelace,11,u11,ada,A\n"
-                      "    Points Possible,,,,\nBo Li,12,u12,bo,A\n")  # fmt: skip
+    roster.write_text(
+        "Student,ID,SIS User ID,SIS Login ID,Section\nAda Lovelace,11,u11,ada,A\n"
+        "    Points Possible,,,,\nBo Li,12,u12,bo,A\n"
+    )
     students = report.read_roster(roster)
     assert [s["student"] for s in students] == ["ada", "bo"]
     deadline = report.parse_deadline("2026-01-10T12:00Z")
     entry = {"name": "c", "points": 1.5, "max_points": 2, "passed": False, "feedback": "half"}
-    ada = report.build("ada.ipynb", "ex01_memory", "graded", [entry], 1.0, student="ada", seed=5,
-                       class_seed=0, submitted_at="2026-01-10T12:00:01Z")  # fmt: skip
+    ada = report.build(
+        "ada.ipynb",
+        "ex01_memory",
+        "graded",
+        [entry],
+        1.0,
+        student="ada",
+        seed=5,
+        class_seed=0,
+        submitted_at="2026-01-10T12:00:01Z",
+    )
     rows = report.gradebook_rows([ada], students, deadline, "ex01_memory", 2)
     assert [(r["student"], r["status"], r["score"], r.get("late", "")) for r in rows] == [
-        ("ada", "graded", "1.5", "yes"), ("bo", "missing", "0", "")]  # fmt: skip
+        ("ada", "graded", "1.5", "yes"),
+        ("bo", "missing", "0", ""),
+    ]
     assert (
         rows[0]["name"] == "Ada Lovelace"
         and rows[0]["check: c"] == "1.5"
@@ -784,8 +858,9 @@ def test_gradebook_pieces_roster_deadline_update_and_canvas(tmp_path):
     )
     book = tmp_path / "g.csv"
     report.write_gradebook(rows, book)
-    bo = report.build("bo.ipynb", "ex01_memory", "graded", [{**entry, "points": 2, "passed": True}], 1.0,
-                      student="bo")  # fmt: skip
+    bo = report.build(
+        "bo.ipynb", "ex01_memory", "graded", [{**entry, "points": 2, "passed": True}], 1.0, student="bo"
+    )
     updated = report.update_gradebook(book, report.gradebook_rows([bo])[0])
     assert [(r["student"], r["status"], r["score"]) for r in updated] == [
         ("ada", "graded", "1.5"),
@@ -795,8 +870,10 @@ def test_gradebook_pieces_roster_deadline_update_and_canvas(tmp_path):
     canvas = tmp_path / "canvas.csv"
     report.write_canvas(updated, students, canvas, "Exercise 1 (77)")
     assert canvas.read_text().splitlines() == [
-        "Student,ID,SIS User ID,SIS Login ID,Section,Exercise 1 (77)", "Ada Lovelace,11,u11,ada,A,1.5",
-        "Bo Li,12,u12,bo,A,2"]  # fmt: skip
+        "Student,ID,SIS User ID,SIS Login ID,Section,Exercise 1 (77)",
+        "Ada Lovelace,11,u11,ada,A,1.5",
+        "Bo Li,12,u12,bo,A,2",
+    ]
 
 
 def test_student_ids_come_from_the_file_name():
@@ -836,8 +913,12 @@ def test_the_sandbox_runs_an_interpreter_reached_through_a_symlink_under_tmp(tmp
         "print(out.returncode, (Path(sys.argv[1]) / 'log').read_text())\n"
     )
     (work / "marker").write_text("")
-    done = subprocess.run([str(linked / "bin" / "python"), "-c", script, str(work), str(tmp_path / "secret.txt")],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [str(linked / "bin" / "python"), "-c", script, str(work), str(tmp_path / "secret.txt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     status, prefix, rest = done.stdout.strip().split(" ", 2)
     assert status == "0" and os.path.realpath(prefix) == os.path.realpath(sys.prefix), done.stdout
@@ -863,8 +944,13 @@ def test_the_sandbox_hides_the_solutions_where_it_would_see_them(tmp_path, monke
         "import sys; from pathlib import Path; c = Path(sys.argv[1]); "
         "print(sorted(p.name for p in c.iterdir()), [f.read_text() for f in sorted(c.glob('*/01.ipynb'))])"
     )
-    out = sandbox.run([sys.executable, "-c", child, str(course)], work, 60, work / "log",
-                      limits=sandbox.Limits(sandbox="bwrap"))  # fmt: skip
+    out = sandbox.run(
+        [sys.executable, "-c", child, str(course)],
+        work,
+        60,
+        work / "log",
+        limits=sandbox.Limits(sandbox="bwrap"),
+    )
     said = (work / "log").read_text().strip()
     assert out.returncode == 0, said
     assert said == "['exercises', 'solutions'] ['exercises']", said
@@ -904,8 +990,9 @@ def test_wrong_values_of_the_right_shape_are_diagnosed_not_only_measured():
         "shape [4, 3], want [3, 3]: 1 row(s) too many (drop the padding rows after gathering, or shard with "
         "ceil(d0 / n) rows)"
     )
-    assert tensor_mismatch(seen(want[:2]), want).endswith(": 1 row(s) too few (pad dim 0 to a multiple of n: "
-                                                          "each shard has ceil(d0 / n) rows)")  # fmt: skip
+    assert tensor_mismatch(seen(want[:2]), want).endswith(
+        ": 1 row(s) too few (pad dim 0 to a multiple of n: each shard has ceil(d0 / n) rows)"
+    )
     assert tensor_mismatch(seen(want + torch.randn(3, 3)), want).startswith("values differ by up to")
 
 
@@ -974,8 +1061,17 @@ def test_check_and_the_grade_agree_when_an_answer_leans_on_a_cell_the_grade_skip
 
 # The planted submissions whose cells this test process can run as a kernel would (not the ones that exit,
 # crash, fork, or patch the grader's own modules).
-RUN_HERE = ("solution", "exercise", "partial01", "partial06", "padding02", "locked_edit", "locked_edit_solution",
-            "fake_print", "missing_answer")  # fmt: skip
+RUN_HERE = (
+    "solution",
+    "exercise",
+    "partial01",
+    "partial06",
+    "padding02",
+    "locked_edit",
+    "locked_edit_solution",
+    "fake_print",
+    "missing_answer",
+)
 
 
 @pytest.mark.timeout(900)

@@ -63,8 +63,12 @@ class Net(nn.Module):
         x = self.emb(input_ids)
         for layer in self.layers:
             out = layer(x, scale=scale)
-            x = {"tensor": lambda o: o, "tuple": lambda o: o[0], "dict": lambda o: o["h"],
-                 "dataclass": lambda o: o.hidden}[layer.kind](out)  # fmt: skip
+            x = {
+                "tensor": lambda o: o,
+                "tuple": lambda o: o[0],
+                "dict": lambda o: o["h"],
+                "dataclass": lambda o: o.hidden,
+            }[layer.kind](out)
         return {"logits": self.head(x), "hidden": x}
 
 
@@ -140,8 +144,11 @@ def _gpt2_lm_head_model(pieces) -> dict:
         else:
             prefix = {id(p): f"{u.name}." if u.name != "root" else "" for u in units for p in u.params}
             names = {id(p): name for name, p in hf.named_parameters()}
-            shards = {prefix[id(p)] + names[id(p)].removeprefix(prefix[id(p)]): s
-                      for u in units for p, s in zip(u.params, u.shards, strict=True)}  # fmt: skip
+            shards = {
+                prefix[id(p)] + names[id(p)].removeprefix(prefix[id(p)]): s
+                for u in units
+                for p, s in zip(u.params, u.shards, strict=True)
+            }
         from labkit.zero.sharding import shard_dim0
 
         worst = max(

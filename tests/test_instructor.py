@@ -92,8 +92,9 @@ def guide_run(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedPro
     runs = {}
     for line in guide_commands(tested_only=True):
         argv = shlex.split(line)
-        runs[line] = subprocess.run([sys.executable, "-m", "labkit", *argv[1:]], cwd=work, capture_output=True,
-                                    text=True, timeout=600)  # fmt: skip
+        runs[line] = subprocess.run(
+            [sys.executable, "-m", "labkit", *argv[1:]], cwd=work, capture_output=True, text=True, timeout=600
+        )
     return work, runs
 
 
@@ -175,8 +176,11 @@ def benchmark_course_seconds(markdown: str) -> tuple[str, dict[str, int]]:
     lines = markdown.splitlines()
     starts = [i for i, ln in enumerate(lines) if ln.startswith(COURSE_SECTION)]
     if not starts:
-        pytest.fail(f"{RESULTS} has no {COURSE_SECTION!r} section: regenerate it with `make bench` "
-                    "(without --quick or --no-course), then quote its figures in the guide", pytrace=False)  # fmt: skip
+        pytest.fail(
+            f"{RESULTS} has no {COURSE_SECTION!r} section: regenerate it with `make bench` "
+            "(without --quick or --no-course), then quote its figures in the guide",
+            pytrace=False,
+        )
     seconds = {}
     for line in lines[starts[0] + 1 :]:
         if line.startswith("#"):
@@ -200,8 +204,11 @@ def test_guide_quotes_the_course_timings_of_benchmarks_results():
         assert m, f"{name}: run time {run_time!r} is not 'N s'"
         quoted[name] = int(m[1])
     assert quoted == measured, f"the guide's run times differ from {RESULTS.name}: update the guide's table"
-    m = re.search(r"Grading all the solutions \(`labkit grade solutions/`\) took (\d+) s, and the whole\s+"
-                  r"course, grading included, (\d+) s", guide)  # fmt: skip
+    m = re.search(
+        r"Grading all the solutions \(`labkit grade solutions/`\) took (\d+) s, and the whole\s+"
+        r"course, grading included, (\d+) s",
+        guide,
+    )
     assert m, "the guide quotes the grading time and the total"
     assert (int(m[1]), int(m[2])) == (seconds["grading all solutions"], seconds["total"]), (
         f"the guide's grading time and total differ from {RESULTS.name}"
@@ -363,8 +370,13 @@ def _expected_need(path: Path) -> tuple[int, int]:
     ranks = max(int(v) for v in re.findall(r"^\w*world_size\s*=\s*(\d+)", params, re.M))
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     models = set(re.findall(r"\bmodel\s*=\s*[\"'](\w+)[\"']", code))
-    state = max((budget.plan(count_params(build_model(m)), 1, "ddp", precision="fp32")["state_bytes_per_rank"]
-                 for m in models), default=0)  # fmt: skip
+    state = max(
+        (
+            budget.plan(count_params(build_model(m)), 1, "ddp", precision="fp32")["state_bytes_per_rank"]
+            for m in models
+        ),
+        default=0,
+    )
     return ranks, (ranks + 1) * RANK_BYTES_ESTIMATE + ranks * state
 
 
@@ -384,8 +396,9 @@ def test_doctor_class_verdicts_follow_this_machine(students, capsys):
     memory = node["memory_bytes"]  # read moments apart on a shared machine: judge with the report's own
     slots = math.floor(RANKS_PER_CORE * cores + 1e-9)
     each = klass["per_student"]
-    assert each["ranks"] == max(0, min(slots // students, int((memory / students - RANK_BYTES_ESTIMATE)
-                                                              // RANK_BYTES_ESTIMATE)))  # fmt: skip
+    assert each["ranks"] == max(
+        0, min(slots // students, int((memory / students - RANK_BYTES_ESTIMATE) // RANK_BYTES_ESTIMATE))
+    )
     rows = {r["notebook"]: r for r in klass["notebooks"]}
     assert list(rows) == NOTEBOOKS
     for name, row in rows.items():
@@ -439,8 +452,10 @@ EIGHT = classroom.NotebookNeed("eight", 8, (), 0, 4_718_592_000)  # 9 x 524,288,
 
 
 def _verdicts(report: dict) -> dict[str, tuple[str, bool, bool, int]]:
-    return {r["notebook"]: (r["device"], r["fits_cores"], r["fits_memory"], r["max_students"])
-            for r in report["notebooks"]}  # fmt: skip
+    return {
+        r["notebook"]: (r["device"], r["fits_cores"], r["fits_memory"], r["max_students"])
+        for r in report["notebooks"]
+    }
 
 
 def test_class_of_5_on_a_cpu_node_worked_by_hand():
@@ -512,8 +527,10 @@ def test_doctor_class_prints_the_verdicts_of_its_node(monkeypatch, capsys):
     report = json.loads(capsys.readouterr().out)
     assert _verdicts(report["class"])["eight"] == ("cpu", False, False, 3)
     [line] = [p for p in report["problems"] if p.startswith("eight needs")]
-    assert line.endswith("at most 3 at once here: stagger it, pair students on one server, or spread the class "
-                         "over 2 such nodes")  # fmt: skip
+    assert line.endswith(
+        "at most 3 at once here: stagger it, pair students on one server, or spread the class "
+        "over 2 such nodes"
+    )
     assert status == 1
 
 

@@ -44,8 +44,20 @@ def _env() -> dict[str, str]:
 
 
 def _agent(launcher: list[str], endpoint: str, node_rank: int, nproc: int, *extra: str) -> list[str]:
-    return [*launcher, "--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint, "--node-rank", str(node_rank), *extra]  # fmt: skip
+    return [
+        *launcher,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--node-rank",
+        str(node_rank),
+        *extra,
+    ]
 
 
 def _start(argv: list[str]) -> subprocess.Popen:
@@ -82,9 +94,22 @@ COMPARE = [
 
 def _deepspeed_node(hostfile: Path, port: int, node_rank: int, *job: str) -> list[str]:
     """One node of the DeepSpeed launcher without ssh: every node runs it with its own --node_rank."""
-    return [PY, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
-            "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
-            "--module", *job]  # fmt: skip
+    return [
+        PY,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        str(hostfile),
+        "--no_ssh",
+        "--node_rank",
+        str(node_rank),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "--module",
+        *job,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +173,9 @@ def test_inter_node_bytes_drop_exactly_as_the_budget_predicts(runs):
     assert split["config"]["options"] == {"hsdp_shard_size": 2, "zero_hpz_partition_size": 2}
     for result in (full, split):
         assert {name: rec["nodes"] for name, rec in result["engines"].items()} == {
-            "fsdp2": NODES, "deepspeed": NODES}  # fmt: skip
+            "fsdp2": NODES,
+            "deepspeed": NODES,
+        }
     # Every layout trains the same model: the four loss curves agree.
     reference = full["engines"]["fsdp2"]["losses"]
     for result in (full, split):
@@ -213,8 +240,14 @@ def test_inter_node_bytes_drop_exactly_as_the_budget_predicts(runs):
 
 
 def test_the_ring_rule_in_closed_form_is_the_rule_applied_group_by_group():
-    for n, size, per_node, strided in [(16, 4, 8, False), (16, 4, 8, True), (12, 3, 2, False),
-                                       (12, 4, 3, True), (512, 64, 8, True), (8, 8, 2, False)]:  # fmt: skip
+    for n, size, per_node, strided in [
+        (16, 4, 8, False),
+        (16, 4, 8, True),
+        (12, 3, 2, False),
+        (12, 4, 3, True),
+        (512, 64, 8, True),
+        (8, 8, 2, False),
+    ]:
         stride = n // size if strided else 1
         groups = (
             [range(i, n, stride) for i in range(stride)]

@@ -296,8 +296,12 @@ def test_07_state_prediction_step_scalars_and_the_parity_verdict(executed):
     )
     assert ratio and ratio.group(1) == ratio.group(2), text
     model = build_model("tiny")
-    optimizer_tensors = {"scratch": 0, "fsdp1": len(model.blocks) + 1, "fsdp2": len(list(model.parameters())),
-                         "deepspeed": 1}  # fmt: skip
+    optimizer_tensors = {
+        "scratch": 0,
+        "fsdp1": len(model.blocks) + 1,
+        "fsdp2": len(list(model.parameters())),
+        "deepspeed": 1,
+    }
     for engine, tensors in optimizer_tensors.items():
         row = re.search(
             rf"^{engine}\s+state .* AdamW step scalars\s+(\d+) B = 4 B x (\d+)\s.*accounting = measured",
@@ -346,8 +350,11 @@ def test_deterministic_budget_cells_reproduce_under_nbval(executed, tmp_path):
     assert checked, "no notebook has nbval-check-output cells"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax", *map(str, checked)],
-        cwd=NOTEBOOKS, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=NOTEBOOKS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
 
 

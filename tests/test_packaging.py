@@ -105,15 +105,49 @@ def installed(tmp_path_factory) -> Path:
             shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "_course"))
         else:
             shutil.copy(ROOT / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src),
-                    "-w", str(tmp / "dist")], check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(src),
+            "-w",
+            str(tmp / "dist"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     [wheel] = (tmp / "dist").glob("labkit-*.whl")
     env = tmp / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120)
-    site = Path(subprocess.check_output([env / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())  # fmt: skip
+    site = Path(
+        subprocess.check_output(
+            [env / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            text=True,
+        ).strip()
+    )
     (site / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(env / "bin" / "python"), "install", "--no-deps",
-                    "-q", str(wheel)], check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(env / "bin" / "python"),
+            "install",
+            "--no-deps",
+            "-q",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
     for folder in course.FOLDERS:
@@ -132,8 +166,14 @@ def _outside(bin_dir: Path) -> dict[str, str]:
 
 def test_an_installed_wheel_grades_a_solution_to_full_marks_from_outside_the_checkout(installed, tmp_path):
     env = _outside(installed)
-    where = subprocess.run([installed / "python", "-c", "import labkit.course as c; print(c.__file__); print(c.course_dir())"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    where = subprocess.run(
+        [installed / "python", "-c", "import labkit.course as c; print(c.__file__); print(c.course_dir())"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert not where[0].startswith(str(ROOT)) and where[1].endswith(os.path.join("labkit", "_course")), where
     version = subprocess.run([installed / "labkit", "--version"], env=env, capture_output=True, text=True)
     assert version.stdout.strip() == f"labkit {labkit.__version__}"
@@ -192,8 +232,14 @@ def test_the_images_set_up_is_the_makefiles_step_for_step():
     make = [s for c in _makefile_setup() if (s := _step(c))]
     docker_commands = _dockerfile_setup()
     docker = [s for c in docker_commands if (s := _step(c))]
-    assert make == [("debian", "binder/apt.txt"), ("torch first",), ("pins", "requirements.txt"),
-                    ("labkit, no deps",), ("prebuild",), ("kernel", labkit.KERNEL_NAME)]  # fmt: skip
+    assert make == [
+        ("debian", "binder/apt.txt"),
+        ("torch first",),
+        ("pins", "requirements.txt"),
+        ("labkit, no deps",),
+        ("prebuild",),
+        ("kernel", labkit.KERNEL_NAME),
+    ]
     assert docker == make, docker
     # torch's pin is read from requirements.txt the same way, and comes from PyTorch's CUDA index there
     torch_expr = re.search(r"sed -n '[^']*' requirements.txt", (ROOT / "Makefile").read_text())[0]

@@ -41,8 +41,12 @@ def _issue_collectives() -> dict:
         dist.barrier()
     summed = torch.ones(13)
     dist.all_reduce(summed)  # after uninstall: not counted
-    return {"summary": probes.comm.summary(), "functions": [c.function for c in probes.comm.calls],
-            "groups": {c.group_size for c in probes.comm.calls}, "events": probes.timeline.events}  # fmt: skip
+    return {
+        "summary": probes.comm.summary(),
+        "functions": [c.function for c in probes.comm.calls],
+        "groups": {c.group_size for c in probes.comm.calls},
+        "events": probes.timeline.events,
+    }
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -56,13 +60,14 @@ def test_bytes_per_collective_follow_the_ring_formula(n):
         "barrier": 0,
     }
     expected_wire = {
-        "all_gather": ring("all_gather", 7 * n * F32, n) + ring("all_gather", 7 * n * BF16, n)
+        "all_gather": ring("all_gather", 7 * n * F32, n)
+        + ring("all_gather", 7 * n * BF16, n)
         + ring("all_gather", 3 * n * F32, n),
         "reduce_scatter": 2 * ring("reduce_scatter", 5 * n * F32, n),
         "all_reduce": 2 * ring("all_reduce", 13 * F32, n),
         "broadcast": ring("broadcast", 11 * F32, n),
         "barrier": 0,
-    }  # fmt: skip
+    }
     calls = {"all_gather": 3, "reduce_scatter": 2, "all_reduce": 2, "broadcast": 1, "barrier": 1}
     for r in results:
         assert r["summary"] == {
@@ -70,9 +75,17 @@ def test_bytes_per_collective_follow_the_ring_formula(n):
             for k in calls
         }
         # a deprecated name is counted once, under its own name, not again as the new one it calls
-        assert r["functions"] == ["all_gather_single", "all_gather_into_tensor", "all_gather",
-                                  "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "all_reduce",
-                                  "broadcast", "barrier"]  # fmt: skip
+        assert r["functions"] == [
+            "all_gather_single",
+            "all_gather_into_tensor",
+            "all_gather",
+            "reduce_scatter_single",
+            "reduce_scatter_tensor",
+            "all_reduce",
+            "all_reduce",
+            "broadcast",
+            "barrier",
+        ]
         assert r["groups"] == {n}
         kinds = {e["kind"] for e in r["events"]}
         assert kinds == {"comm", "wait"}
@@ -135,12 +148,17 @@ def _stacked_patches() -> dict:
                 error = str(e)
         probe_back_on_top = dist.all_reduce is probe and distributed_c10d.all_reduce is probe
     status = _read_status(os.path.join(os.environ["LABKIT_LAUNCH_DIR"], f"status{rank}"))
-    return {"seen": seen, "probed": [c.function for c in probes.comm.calls], "error": error,
-            "stacked": top.__wrapped__ is probe and probe.__wrapped__ is tracker,
-            "restored": probe_back_on_top and dist.all_reduce is tracker is distributed_c10d.all_reduce,
-            "looks_like_torch": top.__name__ == "all_reduce" and top.__doc__ == tracker.__wrapped__.__doc__
-            and inspect.signature(top) == inspect.signature(tracker.__wrapped__),
-            "tracker_status": status}  # fmt: skip
+    return {
+        "seen": seen,
+        "probed": [c.function for c in probes.comm.calls],
+        "error": error,
+        "stacked": top.__wrapped__ is probe and probe.__wrapped__ is tracker,
+        "restored": probe_back_on_top and dist.all_reduce is tracker is distributed_c10d.all_reduce,
+        "looks_like_torch": top.__name__ == "all_reduce"
+        and top.__doc__ == tracker.__wrapped__.__doc__
+        and inspect.signature(top) == inspect.signature(tracker.__wrapped__),
+        "tracker_status": status,
+    }
 
 
 def test_patches_stack_tracker_then_probe_then_a_watcher_and_come_off_in_reverse_order():
@@ -346,8 +364,11 @@ def _comm_edges() -> dict:
         sync_calls = len(hook.times)
         work = dist.all_reduce(torch.ones(5), async_op=True)  # async: issue, then the wait's two edges
         work.wait()
-    return {"sync": sync_calls, "total": len(hook.times),
-            "kinds": sorted({(e["kind"], e["name"]) for e in probes.timeline.events})}  # fmt: skip
+    return {
+        "sync": sync_calls,
+        "total": len(hook.times),
+        "kinds": sorted({(e["kind"], e["name"]) for e in probes.timeline.events}),
+    }
 
 
 def test_the_comm_probe_syncs_at_issue_return_and_both_ends_of_a_wait():
@@ -361,8 +382,13 @@ def test_state_bytes_by_device_counts_every_key_under_its_category_once():
 
     flat = torch.zeros(100)
     host = torch.zeros(30)
-    state = {"params": [flat[:40]], "grads": [flat[40:]], "optimizer": [], "host_optimizer": [host, host[:5]],
-             "unknown": [torch.zeros(7)]}  # fmt: skip
+    state = {
+        "params": [flat[:40]],
+        "grads": [flat[40:]],
+        "optimizer": [],
+        "host_optimizer": [host, host[:5]],
+        "unknown": [torch.zeros(7)],
+    }
     assert state_bytes_by_device(state) == {"cpu": {"params": 100 * F32, "grads": 0, "optimizer": 30 * F32}}
     assert state_bytes(state) == {"params": 100 * F32, "grads": 0, "optimizer": 0}  # the device's keys only
 
@@ -376,8 +402,13 @@ def test_offload_on_cpu_ranks_shows_the_optimizer_in_host_buffers_and_records_a_
     from labkit.model import build_model, count_params
 
     cfg = RunConfig(model="tiny", world_size=2, steps=1)
-    runs = [("scratch", cfg), ("scratch", replace(cfg, offload="cpu")), ("scratch", cfg), ("deepspeed", cfg),
-            ("scratch", cfg)]  # fmt: skip
+    runs = [
+        ("scratch", cfg),
+        ("scratch", replace(cfg, offload="cpu")),
+        ("scratch", cfg),
+        ("deepspeed", cfg),
+        ("scratch", cfg),
+    ]
     plain, offloaded, again, _, after_deepspeed = loop.run_many(runs)
     # Nothing of the two scratch runs before it is alive when the third starts (its grad hooks hold the
     # engine weakly). DeepSpeed leaves its model behind (hooks in autograd's C++ side hold it), at least

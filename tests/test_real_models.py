@@ -94,7 +94,9 @@ class Gpt2Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = Gpt2Attention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.ModuleDict({"c_fc": Conv1D(4 * cfg.n_embd, cfg.n_embd), "c_proj": Conv1D(cfg.n_embd, 4 * cfg.n_embd)})  # fmt: skip
+        self.mlp = nn.ModuleDict(
+            {"c_fc": Conv1D(4 * cfg.n_embd, cfg.n_embd), "c_proj": Conv1D(cfg.n_embd, 4 * cfg.n_embd)}
+        )
         self.adapter = nn.Linear(cfg.n_embd, cfg.n_embd) if cfg.adapter else None
 
     def forward(self, x: torch.Tensor, use_adapter: bool = False) -> torch.Tensor:
@@ -192,7 +194,7 @@ CASES: dict[str, dict[str, Any]] = {
     "gpt2_unused": {
         "build": lambda: Gpt2LMHead(Gpt2Config(n_layer=3, adapter=True, skip_last_on_odd=True)),
         "units": blocks,
-    },  # fmt: skip
+    },
     "encoder": {
         "build": EncoderLM,  # labkit.engines.foreign's, which notebook 05 shows
         "units": lambda m: instances_of(nn.TransformerEncoderLayer),
@@ -406,17 +408,27 @@ def test_model_units_puts_a_tied_weight_in_the_root_and_drops_a_unit_left_empty(
 @pytest.mark.parametrize(
     "units, message",
     [
-        (lambda m: [m.transformer.h[0], m.transformer.h[0]], "units lists transformer.h.0 twice; list each module once"),
-        (lambda m: [m.transformer.h[0], m.transformer.h[0].attn],
-         "units transformer.h.0 and transformer.h.0.attn are nested (the second is inside the first); list only one of them"),
-        (lambda m: instances_of(Gpt2Block, Conv1D),
-         "units transformer.h.0 and transformer.h.0.attn.c_attn are nested (the second is inside the first); list only one of them"),
-        (lambda m: [nn.Linear(2, 2)], "units[0] (a Linear) is not a submodule of this Gpt2LMHead; pass modules of the model being sharded"),
+        (
+            lambda m: [m.transformer.h[0], m.transformer.h[0]],
+            "units lists transformer.h.0 twice; list each module once",
+        ),
+        (
+            lambda m: [m.transformer.h[0], m.transformer.h[0].attn],
+            "units transformer.h.0 and transformer.h.0.attn are nested (the second is inside the first); list only one of them",
+        ),
+        (
+            lambda m: instances_of(Gpt2Block, Conv1D),
+            "units transformer.h.0 and transformer.h.0.attn.c_attn are nested (the second is inside the first); list only one of them",
+        ),
+        (
+            lambda m: [nn.Linear(2, 2)],
+            "units[0] (a Linear) is not a submodule of this Gpt2LMHead; pass modules of the model being sharded",
+        ),
         (lambda m: [m], "units[0] is the model itself, which is the root"),
         (lambda m: [m.transformer.h[0].attn.bias], "units[0] is a Tensor; pass modules of the model"),
         (lambda m: m.transformer.h[0], "pass a list of modules or a policy"),
     ],
-)  # fmt: skip
+)
 def test_a_unit_listed_twice_nested_or_foreign_is_refused_in_one_sentence(units, message):
     model = Gpt2LMHead(Gpt2Config())
     with pytest.raises(ValueError) as e:

@@ -196,8 +196,14 @@ check("ex02_shard", ns)
 
 def _check_from_release(release: Path, notebook: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(release)}
-    done = subprocess.run([sys.executable, "-c", CHECK, str(release), str(notebook)], cwd=release, env=env,
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, str(release), str(notebook)],
+        cwd=release,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -264,8 +270,11 @@ def hsdp_groups(world_size, group_size):
 
 @pytest.mark.parametrize(
     "exercise_id, cell, source, failed",
-    [("ex02_shard", "answer-shard", FLOOR_SHARD, [True, True]), ("ex06_hsdp", "answer-mesh", SWAPPED_GROUPS, [True, False, False, False])],
-)  # fmt: skip
+    [
+        ("ex02_shard", "answer-shard", FLOOR_SHARD, [True, True]),
+        ("ex06_hsdp", "answer-mesh", SWAPPED_GROUPS, [True, False, False, False]),
+    ],
+)
 def test_a_common_mistake_fails_its_public_check(exercise_id, cell, source, failed):
     ns = _namespace(_solutions()[exercise_id], {cell: source})
     assert [not ok for ok in _public_results(exercise_id, ns)] == failed
@@ -281,8 +290,14 @@ def _execute_from_release(release: Path, path: Path, monkeypatch) -> list[str]:
 
     monkeypatch.setenv("PYTHONPATH", str(release))
     out = path.with_suffix(".executed.ipynb")
-    pm.execute_notebook(str(path), str(out), kernel_name="labkit", cwd=str(path.parent), progress_bar=False,
-                        execution_timeout=300)  # fmt: skip
+    pm.execute_notebook(
+        str(path),
+        str(out),
+        kernel_name="labkit",
+        cwd=str(path.parent),
+        progress_bar=False,
+        execution_timeout=300,
+    )
     cells = nbformat.read(out, as_version=4).cells
     return ["".join(o.get("text", "") for o in c.outputs) for c in cells if c.cell_type == "code"]
 

@@ -170,8 +170,14 @@ def _dry_run(workdir: Path) -> str:
     }
     for name in ("PYTHON", "VENV", "PORT", "ARGS", "PYTEST_ARGS"):
         env.pop(name, None)
-    out = subprocess.run(["make", "--no-print-directory", "-n", "test"], cwd=workdir, env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        ["make", "--no-print-directory", "-n", "test"],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -277,8 +283,14 @@ def test_pin_writes_a_pth_that_every_python_of_the_env_reads(tmp_path: Path):
     python = env / "bin" / "python"
     base = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "PYTHONPATH")}
     code = "from labkit.prebuild import pin_environment; print(pin_environment())"
-    out = subprocess.run([python, "-c", code], env={**base, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                         text=True, check=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [python, "-c", code],
+        env={**base, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     assert out.stdout.strip().endswith(prebuild.PTH_NAME)
     read = "import os, shutil; print(os.environ.get('TORCH_EXTENSIONS_DIR')); print(shutil.which('ninja'))"
     seen = subprocess.run(
@@ -288,8 +300,14 @@ def test_pin_writes_a_pth_that_every_python_of_the_env_reads(tmp_path: Path):
     assert extensions == str(env / "torch_extensions")
     if shutil.which("ninja", path=base.get("PATH")):  # the env's ninja is a link to the one set-up found
         assert ninja == str(env / prebuild.NINJA_DIR / "ninja")
-    mine = subprocess.run([python, "-c", read], env={**base, "TORCH_EXTENSIONS_DIR": "/elsewhere"},
-                          capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    mine = subprocess.run(
+        [python, "-c", read],
+        env={**base, "TORCH_EXTENSIONS_DIR": "/elsewhere"},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     assert mine.stdout.split("\n")[0] == "/elsewhere", "a TORCH_EXTENSIONS_DIR set by the user wins"
 
 

@@ -216,8 +216,12 @@ def test_a_room_sees_outputs_and_tagged_code_but_no_plumbing():
     assert len(re.findall(r"celltag_slide-code", deck)) == 1
     room = slides.room_notebook(nb)
     assert [c.source.split("\n")[0] for c in room.cells] == [
-        "# Title", "The lead. The rest for the notes.", "hidden_source_1 = 1", "shown_source_3 = 3", "noisy_4()"
-    ]  # fmt: skip
+        "# Title",
+        "The lead. The rest for the notes.",
+        "hidden_source_1 = 1",
+        "shown_source_3 = 3",
+        "noisy_4()",
+    ]
 
 
 def test_run_time_is_measured_when_there_is_a_measurement():

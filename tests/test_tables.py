@@ -53,8 +53,14 @@ def test_record_summaries():
     assert tables.wire_bytes(rec, "all_reduce") == 0
     assert tables.phase_s(rec, "optimizer") == 0.5 and tables.phase_s(rec, "forward") == 0.0
     (row,) = tables.offload_rows({"scratch": rec})
-    assert row == {"run": "scratch", "device_state_bytes": 400, "optimizer_state_bytes": 200,
-                   "peak_mem_bytes": 400, "optimizer_phase_s": 0.5, "step_s": 1.0}  # fmt: skip
+    assert row == {
+        "run": "scratch",
+        "device_state_bytes": 400,
+        "optimizer_state_bytes": 200,
+        "peak_mem_bytes": 400,
+        "optimizer_phase_s": 0.5,
+        "step_s": 1.0,
+    }
 
 
 def test_records_and_compare_tables_use_the_median_step_and_keep_their_columns():
@@ -98,8 +104,13 @@ def test_plan_tables_and_needs_offload_are_budgets():
     tight = tables.needs_offload(70e9, 8, 80e9)
     assert not tight["fits_without_offload"]
     remedy = tight["offload"]
-    again = budget.plan(70e9, 8, "zero3", offload_optimizer=remedy["offload_optimizer"],
-                        offload_params=remedy["offload_params"])  # fmt: skip
+    again = budget.plan(
+        70e9,
+        8,
+        "zero3",
+        offload_optimizer=remedy["offload_optimizer"],
+        offload_params=remedy["offload_params"],
+    )
     assert remedy["gpu_bytes_per_rank"] == again["gpu_bytes_per_rank"] <= 80e9
 
 

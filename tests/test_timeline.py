@@ -128,8 +128,13 @@ def test_gantt_draws_units_cut_by_red_waits_and_comm_on_lanes_of_their_own():
     fig = plots.gantt(hand_made_step(), ranks=[0])
     red = plots._COMPUTE_STYLE["wait"][0]
     light, dark = plots._COMPUTE_STYLE["forward"][0], plots._COMPUTE_STYLE["backward"][0]
-    assert [b[:2] for b in drawn_bars(fig, red)] == [(0, 1000), (4000, 5000), (6000, 7000), (16000, 17000),
-                                                     (20000, 21000)]  # fmt: skip
+    assert [b[:2] for b in drawn_bars(fig, red)] == [
+        (0, 1000),
+        (4000, 5000),
+        (6000, 7000),
+        (16000, 17000),
+        (20000, 21000),
+    ]
     assert [b[:2] for b in drawn_bars(fig, light)] == [(1000, 4000), (5000, 6000), (7000, 8000)]
     assert [b[:2] for b in drawn_bars(fig, dark)] == [(12000, 16000), (17000, 20000)]
     compute_y = {b[2] for b in drawn_bars(fig, red) + drawn_bars(fig, light) + drawn_bars(fig, dark)}

@@ -191,19 +191,32 @@ def _unit_transitions() -> dict:
     unit.start_reduce_scatter(async_op=True)
     attempt("start_reduce_scatter twice", lambda: unit.start_reduce_scatter(async_op=True))
     unit.finish_reduce_scatter()
-    return {"states": states, "gathers": len(gathers), "gathered": gathered,
-            "errors": errors, "storage": [sp.full.untyped_storage().nbytes() for sp in unit.params]}  # fmt: skip
+    return {
+        "states": states,
+        "gathers": len(gathers),
+        "gathered": gathered,
+        "errors": errors,
+        "storage": [sp.full.untyped_storage().nbytes() for sp in unit.params],
+    }
 
 
 def test_a_unit_moves_sharded_gathering_unsharded_and_an_illegal_transition_raises_a_sentence():
     for r in labkit.launch(_unit_transitions, 2):
-        assert r["states"] == [ShardedState.SHARDED, ShardedState.GATHERING, ShardedState.UNSHARDED,
-                               ShardedState.SHARDED]  # fmt: skip
+        assert r["states"] == [
+            ShardedState.SHARDED,
+            ShardedState.GATHERING,
+            ShardedState.UNSHARDED,
+            ShardedState.SHARDED,
+        ]
         assert r["gathers"] == 1 and r["gathered"]
         assert r["storage"] == [0] * len(r["storage"])  # freed: the full buffers hold no bytes
         errors = r["errors"]
-        assert set(errors) == {"finish_gather while sharded", "free while gathering",
-                               "finish_reduce_scatter before start", "start_reduce_scatter twice"}  # fmt: skip
+        assert set(errors) == {
+            "finish_gather while sharded",
+            "free while gathering",
+            "finish_reduce_scatter before start",
+            "start_reduce_scatter twice",
+        }
         assert errors["finish_gather while sharded"] == (
             "finish_gather() needs unit blocks.0 gathering, but it is sharded; call start_gather() first"
         )
@@ -305,8 +318,9 @@ def test_a_module_without_blocks_is_refused_and_one_rank_is_a_valid_degenerate_z
 )
 def test_measured_wire_bytes_are_the_formula_for_the_padded_model(model, n, dtype, reshard, hsdp, split):
     options = {"split_root": split} | ({} if hsdp is None else {"hsdp_shard_size": hsdp})
-    cfg = RunConfig(model=model, world_size=n, steps=2, dtype=dtype, reshard_after_forward=reshard,
-                    options=options)  # fmt: skip
+    cfg = RunConfig(
+        model=model, world_size=n, steps=2, dtype=dtype, reshard_after_forward=reshard, options=options
+    )
     record = run("scratch", cfg)
     comm = record["comm"]
     predicted = scratch.predicted_wire_bytes(build_model(model), cfg, n)
@@ -318,8 +332,11 @@ def test_measured_wire_bytes_are_the_formula_for_the_padded_model(model, n, dtyp
     if hsdp is not None:  # gathers and reduce-scatters in rank 0's shard group, all-reduces across groups
         assert comm["all_reduce"]["calls"] == units
         groups = {c["kind"]: c["group_ranks"] for c in record["collective_calls"]}
-        assert groups == {"all_gather": list(range(hsdp)), "reduce_scatter": list(range(hsdp)),
-                          "all_reduce": list(range(0, n, hsdp))}  # fmt: skip
+        assert groups == {
+            "all_gather": list(range(hsdp)),
+            "reduce_scatter": list(range(hsdp)),
+            "all_reduce": list(range(0, n, hsdp)),
+        }
     elif (
         reshard and dtype == "float32"
     ):  # AG = (n-1)/n x (2 x padded bytes - the kept output unit's), RS = 1 x
@@ -337,8 +354,19 @@ def test_measured_wire_bytes_are_the_formula_for_the_padded_model(model, n, dtyp
 
 def test_scratch_hsdp_in_labkit_compare_matches_fsdp2_single_and_the_budget(tmp_path, capsys):
     out = tmp_path / "hsdp.json"
-    argv = ["compare", "--engines", "single,scratch,fsdp2", "--hsdp", "2", "--world-size", "4", "--steps", "3",
-            "--json", str(out)]  # fmt: skip
+    argv = [
+        "compare",
+        "--engines",
+        "single,scratch,fsdp2",
+        "--hsdp",
+        "2",
+        "--world-size",
+        "4",
+        "--steps",
+        "3",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     capsys.readouterr()
     engines = json.loads(out.read_text())["engines"]
@@ -379,8 +407,11 @@ def test_scratch_hsdp_in_labkit_compare_matches_fsdp2_single_and_the_budget(tmp_
     assert sorted(set(reductions)) == [("all_reduce", 2), ("reduce_scatter", 2)], reductions
     kinds = [kind for kind, _ in reductions]
     assert kinds.count("reduce_scatter") == kinds.count("all_reduce") == units, kinds
-    assert all(kinds[:i].count("reduce_scatter") > kinds[:i].count("all_reduce") for i, k in enumerate(kinds)
-               if k == "all_reduce"), kinds  # fmt: skip
+    assert all(
+        kinds[:i].count("reduce_scatter") > kinds[:i].count("all_reduce")
+        for i, k in enumerate(kinds)
+        if k == "all_reduce"
+    ), kinds
 
 
 def test_options_the_scratch_engine_does_not_implement_are_refused_in_one_sentence(capsys, monkeypatch):
@@ -439,8 +470,12 @@ def test_the_split_root_runs_input_blocks_output_keeps_the_output_across_the_tur
 def test_the_floor_of_the_split_plan_is_the_input_unit_and_block_0s_forward_gather_and_reduce_scatter():
     model, cfg = build_model("tiny"), RunConfig(model="tiny", world_size=2)
     floor = scratch.exposed_floor(model, cfg, 2)
-    assert floor["exposed"] == [("input", "forward all-gather"), ("blocks.0", "forward all-gather"),
-                                ("blocks.0", "reduce-scatter"), ("input", "reduce-scatter")]  # fmt: skip
+    assert floor["exposed"] == [
+        ("input", "forward all-gather"),
+        ("blocks.0", "forward all-gather"),
+        ("blocks.0", "reduce-scatter"),
+        ("input", "reduce-scatter"),
+    ]
     costs = {u.name: u for u in scratch.unit_costs(model, cfg, 2)}
     assert floor["floor_wire_bytes"] == sum(
         costs[u].gather_wire_bytes + costs[u].reduce_wire_bytes for u in ("input", "blocks.0")

@@ -97,10 +97,14 @@ class PlanInputs:
     )
     group_size: int | None = _count(None, "ranks", "hsdp shard group; default one node (gpus_per_node)", "8")
     trainable_params: int | None = _count(
-        None, "parameters", "parameters that train, the rest frozen (fine-tuning): a frozen one keeps only its "
-        "weights, no gradient, master or Adam moments, and is never reduce-scattered; default: all", "7e9",
-        rounded=True, low=0,
-    )  # fmt: skip
+        None,
+        "parameters",
+        "parameters that train, the rest frozen (fine-tuning): a frozen one keeps only its "
+        "weights, no gradient, master or Adam moments, and is never reduce-scattered; default: all",
+        "7e9",
+        rounded=True,
+        low=0,
+    )
     gpus_per_node: int = _count(8, "ranks", "ranks per node: a collective inside one is on intra-node links")
     precision: str = _choice("bf16_mixed", tuple(PRECISIONS), "bytes per parameter of each state term")
     offload_optimizer: str = _choice(
@@ -141,13 +145,21 @@ class PlanInputs:
         assumption=True,
     )
     gpu_memory_bytes: int = _count(
-        80_000_000_000, "bytes", "memory of one GPU, for the verdict (an H100: 80 GB)", "80GB", rounded=True,
+        80_000_000_000,
+        "bytes",
+        "memory of one GPU, for the verdict (an H100: 80 GB)",
+        "80GB",
+        rounded=True,
         flag="--gpu-memory",
-    )  # fmt: skip
+    )
     host_memory_bytes: int = _count(
-        2_000_000_000_000, "bytes", "host RAM of one node, for the offload verdict (a DGX H100: 2 TB)", "2TB",
-        rounded=True, flag="--host-memory",
-    )  # fmt: skip
+        2_000_000_000_000,
+        "bytes",
+        "host RAM of one node, for the offload verdict (a DGX H100: 2 TB)",
+        "2TB",
+        rounded=True,
+        flag="--host-memory",
+    )
     hidden_size: int = _count(
         0, "elements", "model width h, for the activations (0: activations left out)", "8192", low=0
     )

@@ -23,8 +23,10 @@ def check_machine_profile(profile: dict) -> dict:
         fit[k] for by_n in profile["collectives"].values() for fit in by_n.values() for k in ("gbytes",)
     ]
     if not all(isinstance(v, (int, float)) and v > 0 for v in values):
-        raise ValueError("a machine profile's rates, shares and bandwidths must be positive numbers; "
-                         "write it again with labkit calibrate.")  # fmt: skip
+        raise ValueError(
+            "a machine profile's rates, shares and bandwidths must be positive numbers; "
+            "write it again with labkit calibrate."
+        )
     return profile
 
 
@@ -72,6 +74,9 @@ def machine_collective_s(machine: dict, kind: str, world_size: int, wire_bytes: 
 def machine_summary(machine: dict, world_size: int) -> dict:
     """What a plan's result says of the profile it used: the rates at this world size and where it was measured."""
     share = _measured_at(machine["core_share"], world_size, "core share")
-    return {"compute_flops_per_s": machine["compute_flops_per_s"], "core_share": share,
-            "flops_per_s_per_rank": machine["compute_flops_per_s"] * share,
-            "calibrated_on": machine.get("machine", {})}  # fmt: skip
+    return {
+        "compute_flops_per_s": machine["compute_flops_per_s"],
+        "core_share": share,
+        "flops_per_s_per_rank": machine["compute_flops_per_s"] * share,
+        "calibrated_on": machine.get("machine", {}),
+    }

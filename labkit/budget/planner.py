@@ -14,12 +14,34 @@ from .traffic import _traffic_summary, traffic_terms
 
 # the inputs a result echoes under "options", in this order
 _ECHOED = (
-    "reshard_after_forward", "prefetch", "qwz", "hpz", "qgz", "quant_block_elems", "offload_optimizer",
-    "offload_params", "largest_layer_params", "layers", "root_units", "tokens_per_rank", "peak_tflops", "mfu",
-    "link_gbytes", "intra_gbytes", "host_gbytes", "nvme_gbytes", "host_adam_params_per_s", "gpu_memory_bytes",
-    "host_memory_bytes", "hidden_size", "attention_heads", "seq_len", "micro_batch", "vocab_size",
+    "reshard_after_forward",
+    "prefetch",
+    "qwz",
+    "hpz",
+    "qgz",
+    "quant_block_elems",
+    "offload_optimizer",
+    "offload_params",
+    "largest_layer_params",
+    "layers",
+    "root_units",
+    "tokens_per_rank",
+    "peak_tflops",
+    "mfu",
+    "link_gbytes",
+    "intra_gbytes",
+    "host_gbytes",
+    "nvme_gbytes",
+    "host_adam_params_per_s",
+    "gpu_memory_bytes",
+    "host_memory_bytes",
+    "hidden_size",
+    "attention_heads",
+    "seq_len",
+    "micro_batch",
+    "vocab_size",
     "activation_checkpointing",
-)  # fmt: skip
+)
 
 
 def plan(params: float, world_size: int, strategy: str = DEFAULTS["strategy"], **options) -> dict:

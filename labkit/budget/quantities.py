@@ -10,10 +10,11 @@ import re
 # binary ones (GiB = 2**30 B); a byte is a capital B, as a small b is a bit (a 400 Gb/s NIC moves 50 GB/s).
 _PREFIXES = {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 _BYTE_SCALES = {
-    "": 1, "B": 1,
+    "": 1,
+    "B": 1,
     **{c + end: v for p, v in _PREFIXES.items() for c in {p.lower(), p.upper()} for end in ("", "B")},
     **{c + "iB": 2 ** (10 * (i + 1)) for i, p in enumerate("KMGT") for c in {p, p.lower()}},
-}  # fmt: skip
+}
 _BANDWIDTH_SCALES = {"": 1, "MB/s": 1e-3, "GB/s": 1, "TB/s": 1e3}  # in GB/s
 _COUNT_SCALES = {"": 1, "k": 1e3, "K": 1e3, "m": 1e6, "M": 1e6, "b": 1e9, "B": 1e9, "t": 1e12, "T": 1e12}
 _COUNTED = ("parameters", "ranks", "tokens", "elements", "layers", "heads", "sequences")

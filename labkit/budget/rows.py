@@ -11,9 +11,12 @@ from .quantities import format_bytes, format_count
 def summary_rows(result: dict) -> list[tuple[str, str, str]]:
     """The numbers of a `plan()` result as (section, quantity, value) rows, for tables in the CLI and widgets."""
     return (
-        _memory_rows(result) + _traffic_rows(result) + _time_rows(result) + assumption_rows(result)
+        _memory_rows(result)
+        + _traffic_rows(result)
+        + _time_rows(result)
+        + assumption_rows(result)
         + _fit_rows(result)
-    )  # fmt: skip
+    )
 
 
 def _unit_value(value: float, unit: str) -> str:
@@ -63,8 +66,13 @@ def _memory_rows(result: dict) -> list[tuple[str, str, str]]:
             if result["options"]["activation_checkpointing"]
             else "all saved"
         )
-        rows.append((section, f"activations ({kept}; peak at the {result['activation_peak_at']})",
-                     format_bytes(result["activation_bytes_per_rank"])))  # fmt: skip
+        rows.append(
+            (
+                section,
+                f"activations ({kept}; peak at the {result['activation_peak_at']})",
+                format_bytes(result["activation_bytes_per_rank"]),
+            )
+        )
     for where in ("host", "nvme"):
         held = sum(result[f"{where}_bytes_per_rank"].values())
         if held:

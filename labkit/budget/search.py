@@ -40,8 +40,13 @@ def fewest_ranks(
             ([r for r in small if r["world_size"] < fitting[0]["world_size"]] or [None])[-1],
         )
     elif not top["fits"]:
-        return {"world_size": None, "max_ranks": top["world_size"], "plan": None, "one_fewer": None,
-                "reason": _nothing_fits(top)}  # fmt: skip
+        return {
+            "world_size": None,
+            "max_ranks": top["world_size"],
+            "plan": None,
+            "one_fewer": None,
+            "reason": _nothing_fits(top),
+        }
     else:
         lo, hi = first // step, top["world_size"] // step  # hi fits; find the smallest k that does
         while lo < hi:
@@ -127,12 +132,29 @@ def needs_offload(params: float, max_ranks: int, gpu_memory_bytes: float, **opti
     remedy, tried = None, []
     for opt, par in () if full["fits_gpu_memory"] else _REMEDIES:
         p = plan(params, max_ranks, "zero3", offload_optimizer=opt, offload_params=par, **options)
-        tried.append({"offload_optimizer": opt, "offload_params": par,
-                      **{k: p[k] for k in ("gpu_bytes_per_rank", "host_bytes_per_node", "fits_gpu_memory",
-                                           "fits_host_memory", "host_verdict")}})  # fmt: skip
+        tried.append(
+            {
+                "offload_optimizer": opt,
+                "offload_params": par,
+                **{
+                    k: p[k]
+                    for k in (
+                        "gpu_bytes_per_rank",
+                        "host_bytes_per_node",
+                        "fits_gpu_memory",
+                        "fits_host_memory",
+                        "host_verdict",
+                    )
+                },
+            }
+        )
         if p["fits"]:
-            remedy = {"offload_optimizer": opt, "offload_params": par, "gpu_bytes_per_rank": p["gpu_bytes_per_rank"],
-                      "host_bytes_per_node": p["host_bytes_per_node"]}  # fmt: skip
+            remedy = {
+                "offload_optimizer": opt,
+                "offload_params": par,
+                "gpu_bytes_per_rank": p["gpu_bytes_per_rank"],
+                "host_bytes_per_node": p["host_bytes_per_node"],
+            }
             break
     return {
         "gpu_bytes_per_rank": full["gpu_bytes_per_rank"],

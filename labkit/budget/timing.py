@@ -85,8 +85,12 @@ def exposed_floor(
     every += [("reduce_scatter", u.reduce_wire_bytes) for u in order]
     total = sum(b for _, b in every)
     floor = sum(b for *_, b in exposed)
-    out = {"exposed": [(name, what) for name, what, *_ in exposed], "floor_wire_bytes": floor,
-           "comm_wire_bytes": total, "floor_share": floor / total if total else 0.0}  # fmt: skip
+    out = {
+        "exposed": [(name, what) for name, what, *_ in exposed],
+        "floor_wire_bytes": floor,
+        "comm_wire_bytes": total,
+        "floor_share": floor / total if total else 0.0,
+    }
     if collective_s is not None:
         out["floor_s"] = sum(collective_s(kind, b) for *_, kind, b in exposed)
         out["comm_s"] = sum(collective_s(kind, b) for kind, b in every)

@@ -147,8 +147,22 @@ def traffic_terms(p: PlanInputs, machine: dict | None = None) -> list[Term]:
         calls = -(-payload // DDP_BUCKET_BYTES) if p.strategy == "ddp" else p.layers + p.root_units
         backend_s = machine_collective_s(machine, c.kind, size, wire, calls) if machine and size > 1 else 0.0
         link_s = wire / bandwidth[link]
-        terms.append(Term(name, c.key, c.kind, c.phase, size, link, payload, wire, ring, calls, backend_s,
-                          max(link_s, backend_s)))  # fmt: skip
+        terms.append(
+            Term(
+                name,
+                c.key,
+                c.kind,
+                c.phase,
+                size,
+                link,
+                payload,
+                wire,
+                ring,
+                calls,
+                backend_s,
+                max(link_s, backend_s),
+            )
+        )
     return terms
 
 

@@ -55,8 +55,10 @@ def run(args: argparse.Namespace) -> int:
         if n > limit:
             raise UsageError(f"labkit calibrate: --world-sizes {n} but {why}; pass sizes <= {limit}")
         if global_batch % n:
-            raise UsageError(f"labkit calibrate: --world-sizes {n} does not divide the global batch of "
-                             f"{global_batch} sequences of {args.model!r}; pass divisors of it")  # fmt: skip
+            raise UsageError(
+                f"labkit calibrate: --world-sizes {n} does not divide the global batch of "
+                f"{global_batch} sequences of {args.model!r}; pass divisors of it"
+            )
     try:
         with open(args.out, "w"):
             pass

@@ -144,8 +144,10 @@ def _predicted_lines(result: dict, cfg, machine: dict) -> str:
     for name, record in result["engines"].items():
         record["predicted_step_s"] = predicted_step_s(name, options_for(name, cfg), machine)
         measured = median_step_s(record)
-        lines.append(f"  {name}: predicted {record['predicted_step_s']:.3f} s, measured {measured:.3f} s "
-                     f"(predicted/measured {record['predicted_step_s'] / measured:.2f})")  # fmt: skip
+        lines.append(
+            f"  {name}: predicted {record['predicted_step_s']:.3f} s, measured {measured:.3f} s "
+            f"(predicted/measured {record['predicted_step_s'] / measured:.2f})"
+        )
     return "\n".join(lines)
 
 

@@ -25,40 +25,92 @@ def register(subparsers) -> None:
     p.add_argument(
         "--out", metavar="REPORT.json", default=None, help="report path (one submission; default: beside it)"
     )
-    p.add_argument("--gradebook", metavar="grades.csv", default=None,
-                   help="gradebook CSV: a folder's, or, with one submission, the gradebook whose row it updates")  # fmt: skip
-    p.add_argument("--timeout", metavar="SECONDS", type=float, default=None,
-                   help="wall-clock limit of each submission's notebook run (default 300)")  # fmt: skip
-    p.add_argument("--check-timeout", metavar="SECONDS", type=float, default=None,
-                   help="wall-clock limit of every check's probe (default: each check's own, 30 to 150 s)")  # fmt: skip
+    p.add_argument(
+        "--gradebook",
+        metavar="grades.csv",
+        default=None,
+        help="gradebook CSV: a folder's, or, with one submission, the gradebook whose row it updates",
+    )
+    p.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=None,
+        help="wall-clock limit of each submission's notebook run (default 300)",
+    )
+    p.add_argument(
+        "--check-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=None,
+        help="wall-clock limit of every check's probe (default: each check's own, 30 to 150 s)",
+    )
     p.add_argument("--jobs", metavar="N", type=int, default=1, help="submissions graded at once (default 1)")
-    p.add_argument("--seed", metavar="N", type=int, default=None,
-                   help="class seed: each submission's cases come from it, the exercise and the student "
-                   "(default 0, or the seed the --gradebook was graded with)")  # fmt: skip
-    p.add_argument("--memory-limit", metavar="SIZE", default=None,
-                   help="memory of all of one submission's processes together, e.g. 2G (default: no limit)")  # fmt: skip
-    p.add_argument("--max-processes", metavar="N", type=int, default=None,
-                   help="processes and threads one submission may run (default 1024, where a cgroup allows)")  # fmt: skip
-    p.add_argument("--sandbox", choices=("auto", "bwrap", "none"), default="auto",
-                   help="run submissions in a bubblewrap sandbox: read-only system, no network, no other files "
-                   "(default auto: where bwrap works)")  # fmt: skip
-    p.add_argument("--exercise", metavar="ID", default=None,
-                   help="the folder's exercise: a submission of another one is an error row (default: the id on "
-                   "more than 3/4 of the folder, if one is)")  # fmt: skip
-    p.add_argument("--roster", metavar="roster.csv", default=None,
-                   help="CSV of the class (a 'student' column, or Canvas's SIS Login ID): a row for each student "
-                   "who did not submit")  # fmt: skip
-    p.add_argument("--student-pattern", metavar="REGEX", default=None,
-                   help="how a file name gives the student id: a regex with a (?P<student>...) group "
-                   "(default: the name without .ipynb)")  # fmt: skip
-    p.add_argument("--deadline", metavar="ISO-TIME", default=None,
-                   help="e.g. 2026-12-10T23:59 (local time) or ...Z: the gradebook's late column compares each "
-                   "file's modification time with it")  # fmt: skip
+    p.add_argument(
+        "--seed",
+        metavar="N",
+        type=int,
+        default=None,
+        help="class seed: each submission's cases come from it, the exercise and the student "
+        "(default 0, or the seed the --gradebook was graded with)",
+    )
+    p.add_argument(
+        "--memory-limit",
+        metavar="SIZE",
+        default=None,
+        help="memory of all of one submission's processes together, e.g. 2G (default: no limit)",
+    )
+    p.add_argument(
+        "--max-processes",
+        metavar="N",
+        type=int,
+        default=None,
+        help="processes and threads one submission may run (default 1024, where a cgroup allows)",
+    )
+    p.add_argument(
+        "--sandbox",
+        choices=("auto", "bwrap", "none"),
+        default="auto",
+        help="run submissions in a bubblewrap sandbox: read-only system, no network, no other files "
+        "(default auto: where bwrap works)",
+    )
+    p.add_argument(
+        "--exercise",
+        metavar="ID",
+        default=None,
+        help="the folder's exercise: a submission of another one is an error row (default: the id on "
+        "more than 3/4 of the folder, if one is)",
+    )
+    p.add_argument(
+        "--roster",
+        metavar="roster.csv",
+        default=None,
+        help="CSV of the class (a 'student' column, or Canvas's SIS Login ID): a row for each student "
+        "who did not submit",
+    )
+    p.add_argument(
+        "--student-pattern",
+        metavar="REGEX",
+        default=None,
+        help="how a file name gives the student id: a regex with a (?P<student>...) group "
+        "(default: the name without .ipynb)",
+    )
+    p.add_argument(
+        "--deadline",
+        metavar="ISO-TIME",
+        default=None,
+        help="e.g. 2026-12-10T23:59 (local time) or ...Z: the gradebook's late column compares each "
+        "file's modification time with it",
+    )
     p.add_argument(
         "--canvas", metavar="canvas.csv", default=None, help="also write Canvas's grade-import CSV"
     )
-    p.add_argument("--canvas-assignment", metavar="NAME", default=None,
-                   help="the Canvas assignment column (default: the exercise's title)")  # fmt: skip
+    p.add_argument(
+        "--canvas-assignment",
+        metavar="NAME",
+        default=None,
+        help="the Canvas assignment column (default: the exercise's title)",
+    )
     p.set_defaults(func=run)
 
 
@@ -121,8 +173,10 @@ def _options(args: argparse.Namespace, gradebook: Path | None):
             f"labkit grade: --memory-limit {args.memory_limit} is below 256M: Python and a kernel need more"
         )
     if args.sandbox == "bwrap" and not sandbox.bwrap_usable():
-        raise UsageError("labkit grade: --sandbox bwrap, but bubblewrap cannot build a sandbox here; install the "
-                         "Debian package bubblewrap, or pass --sandbox auto or none")  # fmt: skip
+        raise UsageError(
+            "labkit grade: --sandbox bwrap, but bubblewrap cannot build a sandbox here; install the "
+            "Debian package bubblewrap, or pass --sandbox auto or none"
+        )
     if args.exercise is not None and args.exercise not in exercises.index():
         known = ", ".join(sorted(exercises.index()))
         raise UsageError(f"labkit grade: --exercise {args.exercise!r} is not an exercise; known ids: {known}")
@@ -180,18 +234,23 @@ def _grade_folder(target: Path, gradebook: Path, options, args, roster, deadline
     from labkit.grading import grader, report
 
     files = grader.submissions(target)
-    print(f"grading {len(files)} submissions in {target} ({args.jobs} at a time, seed {options.class_seed}, "
-          f"--timeout {options.timeout_s:g} s for each notebook run)")  # fmt: skip
-    reports = grader.grade_folder(target, gradebook, None, args.jobs, lambda s: print(s, flush=True), options,
-                                  roster, deadline)  # fmt: skip
+    print(
+        f"grading {len(files)} submissions in {target} ({args.jobs} at a time, seed {options.class_seed}, "
+        f"--timeout {options.timeout_s:g} s for each notebook run)"
+    )
+    reports = grader.grade_folder(
+        target, gradebook, None, args.jobs, lambda s: print(s, flush=True), options, roster, deadline
+    )
     graded = sum(r["status"] == "graded" for r in reports)
     exercise_ids = sorted({r["exercise"] for r in reports if r["exercise"]})
     print(
         f"{graded}/{len(reports)} graded; gradebook {gradebook}, reports in {grader.reports_dir(gradebook)}"
     )
     if len(exercise_ids) > 1 and options.exercise is None:
-        print(f"this folder holds {len(exercise_ids)} exercises ({', '.join(exercise_ids)}); pass --exercise ID "
-              "to grade it as one exercise's folder, with the others flagged")  # fmt: skip
+        print(
+            f"this folder holds {len(exercise_ids)} exercises ({', '.join(exercise_ids)}); pass --exercise ID "
+            "to grade it as one exercise's folder, with the others flagged"
+        )
     if reports and "containment" in reports[0]:
         print("contained by: " + "; ".join(f"{k}: {v}" for k, v in reports[0]["containment"].items()))
     _canvas(

@@ -49,8 +49,10 @@ def run(args: argparse.Namespace) -> int:
         # The agent's C++ store client logs every failed connection with a C++ stack, at a level torch
         # reads once, when it loads (here it already has): so the agent runs in a fresh interpreter
         # with those logs off, and hands the ranks the caller's own level back.
-        env = os.environ | {"TORCH_CPP_LOG_LEVEL": "FATAL",
-                            _CALLER_CPP_LEVEL: os.environ.get("TORCH_CPP_LOG_LEVEL", "")}  # fmt: skip
+        env = os.environ | {
+            "TORCH_CPP_LOG_LEVEL": "FATAL",
+            _CALLER_CPP_LEVEL: os.environ.get("TORCH_CPP_LOG_LEVEL", ""),
+        }
         argv = [sys.executable, "-m", "labkit", "torchrun", *args.torchrun_args]
         return subprocess.run(argv, env=env).returncode
     caller_level = os.environ.pop(_CALLER_CPP_LEVEL)

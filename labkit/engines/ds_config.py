@@ -75,8 +75,16 @@ ACTIVATION_CHECKPOINTING_REFUSAL = (
 
 # The cfg.options keys the deepspeed engine reads (`ds_config`'s docstring says what each does);
 # activation_checkpointing is read to be refused with its own sentence.
-OPTIONS = (*ZERO_PLUS_PLUS_FLAGS, "ds_mode", "offload_param", "nvme_path", "zero_overrides", "comms_logger",
-           "z3_leaf_blocks", "activation_checkpointing")  # fmt: skip
+OPTIONS = (
+    *ZERO_PLUS_PLUS_FLAGS,
+    "ds_mode",
+    "offload_param",
+    "nvme_path",
+    "zero_overrides",
+    "comms_logger",
+    "z3_leaf_blocks",
+    "activation_checkpointing",
+)
 MODES = ("fair", "defaults")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 

@@ -64,8 +64,12 @@ def encoder_run(steps: int = 3) -> dict[str, Any]:
     with Probes(info.rank, info.device) as probes:
         for step in range(steps):
             tokens, targets = token_batch(step)
-            local = to_rank_device((tokens[info.rank * per : (info.rank + 1) * per],
-                                    targets[info.rank * per : (info.rank + 1) * per]))  # fmt: skip
+            local = to_rank_device(
+                (
+                    tokens[info.rank * per : (info.rank + 1) * per],
+                    targets[info.rank * per : (info.rank + 1) * per],
+                )
+            )
             with probes.step(step):
                 loss, _ = timed_step(engine, step, local)
             dist.all_reduce(loss)

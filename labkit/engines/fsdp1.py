@@ -269,22 +269,29 @@ def inspect_flat(cfg: RunConfig) -> list[dict[str, Any]]:
         shard_numel = p.numel()
         rank_in_group = unit.rank  # rank inside the shard group (HSDP: inside the replica)
         segments = [
-            (prefix + fqn, rank_in_group * shard_numel + s.offset_in_shard,
-             rank_in_group * shard_numel + s.offset_in_shard + s.numel_in_shard)
+            (
+                prefix + fqn,
+                rank_in_group * shard_numel + s.offset_in_shard,
+                rank_in_group * shard_numel + s.offset_in_shard + s.numel_in_shard,
+            )
             for fqn, s in zip(p._fqns, p._shard_param_infos, strict=True)
             if s.in_shard
-        ]  # fmt: skip
-        out.append({
-            "unit": prefix[:-1] or "root",
-            "is_flat_parameter": isinstance(p, FlatParameter),
-            "type": type(p).__name__,
-            "params": [(prefix + fqn, tuple(shape)) for fqn, shape in zip(p._fqns, p._shapes, strict=True)],
-            "flat_numel": p._unpadded_unsharded_size.numel(),
-            "padded_numel": shard_numel * unit.world_size,
-            "shard_numel": shard_numel,
-            "shard_padding": p._shard_numel_padded,
-            "segments": segments,
-        })  # fmt: skip
+        ]
+        out.append(
+            {
+                "unit": prefix[:-1] or "root",
+                "is_flat_parameter": isinstance(p, FlatParameter),
+                "type": type(p).__name__,
+                "params": [
+                    (prefix + fqn, tuple(shape)) for fqn, shape in zip(p._fqns, p._shapes, strict=True)
+                ],
+                "flat_numel": p._unpadded_unsharded_size.numel(),
+                "padded_numel": shard_numel * unit.world_size,
+                "shard_numel": shard_numel,
+                "shard_padding": p._shard_numel_padded,
+                "segments": segments,
+            }
+        )
     return out
 
 

@@ -343,10 +343,14 @@ def _skip(message: str, frames: dict) -> dict[str, Any]:
     where = None
     if frame:
         where = next(
-            (name for code, name in frames.items()
-             if (code.co_name, code.co_filename, code.co_firstlineno) == (frame[1], frame[2], int(frame[3]))),
+            (
+                name
+                for code, name in frames.items()
+                if (code.co_name, code.co_filename, code.co_firstlineno)
+                == (frame[1], frame[2], int(frame[3]))
+            ),
             f"{frame[1]} ({os.path.basename(frame[2])} line {frame[3]})",
-        )  # fmt: skip
+        )
     return {
         "reason": message.splitlines()[0],
         "function": function and f"{function[1]} in {function[2]}",

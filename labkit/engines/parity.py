@@ -213,8 +213,10 @@ def parity_verdict(result: dict[str, Any], margin: float = PARITY_MARGIN) -> Par
 
 def parity_table(result: dict[str, Any]) -> str:
     """`run_parity`'s result as a fixed-width table: calls and wire bytes by collective, step and phase times."""
-    lines = [f"{'engine':<24} {'all-gathers':>11} {'reduce-scatters':>15} {'all-reduces':>11} {'wire MB':>8} "
-             f"{'step ms':>8} {'spread':>6} {'fwd ms':>7} {'bwd ms':>7} {'opt ms':>7}"]  # fmt: skip
+    lines = [
+        f"{'engine':<24} {'all-gathers':>11} {'reduce-scatters':>15} {'all-reduces':>11} {'wire MB':>8} "
+        f"{'step ms':>8} {'spread':>6} {'fwd ms':>7} {'bwd ms':>7} {'opt ms':>7}"
+    ]
     for label, row in result["engines"].items():
         calls, phases = row["calls"], row["phase_s"]
         lines.append(

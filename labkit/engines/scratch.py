@@ -93,9 +93,13 @@ class ScratchEngine:
             prefetch_depth=cfg.options.get("prefetch_depth", 1),
         )
         self.optimizer = ShardedAdamW(
-            self.zero.trainable_shards(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-            weight_decay=cfg.weight_decay, offload=cfg.offload == "cpu",
-        )  # fmt: skip
+            self.zero.trainable_shards(),
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            offload=cfg.offload == "cpu",
+        )
 
     def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return loss_fn(self.model(tokens).float(), targets)
@@ -140,9 +144,15 @@ def unit_costs(model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpe
     for name, _, params in unit_plan(model, units, split_root(cfg, units)):  # `units` as the engine got them
         padded = sum(padded_numel(tuple(p.shape), g) for _, p in params)
         trained = sum(padded_numel(tuple(p.shape), g) for _, p in params if p.requires_grad)
-        out.append(UnitCost(name, collective_wire_bytes("all_gather", padded * compute_bytes, g),
-                            collective_wire_bytes("reduce_scatter", trained * 4, g),
-                            cfg.reshard_after_forward and name != OUTPUT, name != INPUT))  # fmt: skip
+        out.append(
+            UnitCost(
+                name,
+                collective_wire_bytes("all_gather", padded * compute_bytes, g),
+                collective_wire_bytes("reduce_scatter", trained * 4, g),
+                cfg.reshard_after_forward and name != OUTPUT,
+                name != INPUT,
+            )
+        )
     return out
 
 
@@ -156,11 +166,15 @@ def predicted_wire_bytes(
     g = shard_size(cfg, world_size)
     replicas = world_size // g
     costs = unit_costs(model, cfg, world_size, units)
-    out = {"all_gather": sum(u.gather_wire_bytes * (1 + u.backward_gather) for u in costs),
-           "reduce_scatter": sum(u.reduce_wire_bytes for u in costs)}  # fmt: skip
+    out = {
+        "all_gather": sum(u.gather_wire_bytes * (1 + u.backward_gather) for u in costs),
+        "reduce_scatter": sum(u.reduce_wire_bytes for u in costs),
+    }
     if replicas > 1:
-        trained = [sum(padded_numel(tuple(p.shape), g) for _, p in params if p.requires_grad)
-                   for _, _, params in unit_plan(model, units, split_root(cfg, units))]  # fmt: skip
+        trained = [
+            sum(padded_numel(tuple(p.shape), g) for _, p in params if p.requires_grad)
+            for _, _, params in unit_plan(model, units, split_root(cfg, units))
+        ]
         out["all_reduce"] = sum(collective_wire_bytes("all_reduce", t // g * 4, replicas) for t in trained)
     return out
 

@@ -108,8 +108,14 @@ def _child(
         os.write(fd, (json.dumps({"name": check.name, **result}) + "\n").encode())
 
 
-def run_group(checks: tuple[Check, ...], namespace: dict, seed: int, limit_s: float, scratch: Path,
-              sources: dict[str, str]) -> dict[str, dict]:  # fmt: skip
+def run_group(
+    checks: tuple[Check, ...],
+    namespace: dict,
+    seed: int,
+    limit_s: float,
+    scratch: Path,
+    sources: dict[str, str],
+) -> dict[str, dict]:
     """The observations of one group's probes, run in a forked child stopped after `limit_s` seconds."""
     out, stack = scratch / "probe.jsonl", scratch / "probe.stack"
     for path in (out, stack):

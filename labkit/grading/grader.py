@@ -156,9 +156,15 @@ class _Submission:
         student, warning = (
             (options.student, "") if options.student else student_id(path.name, options.student_pattern)
         )
-        self.extra: dict = {"student": student, "submitted_at": "", "class_seed": options.class_seed,
-                            "labkit_version": labkit.__version__, "warnings": [warning] if warning else [],
-                            "notes": [], "limits_hit": []}  # fmt: skip
+        self.extra: dict = {
+            "student": student,
+            "submitted_at": "",
+            "class_seed": options.class_seed,
+            "labkit_version": labkit.__version__,
+            "warnings": [warning] if warning else [],
+            "notes": [],
+            "limits_hit": [],
+        }
         try:
             self.extra["submitted_at"] = report.utc_iso(path.stat().st_mtime)
         except OSError:
@@ -166,14 +172,28 @@ class _Submission:
         self.title = ""
         self.pristine = None
 
-    def finish(self, status: str, checks: list[dict], reason: str = "", exercise_id: str | None = None,
-               max_score: float | None = None) -> dict:  # fmt: skip
+    def finish(
+        self,
+        status: str,
+        checks: list[dict],
+        reason: str = "",
+        exercise_id: str | None = None,
+        max_score: float | None = None,
+    ) -> dict:
         if exercise_id is None and self.options.exercise:
             exercise_id = self.options.exercise  # an error row still names the folder's exercise and its max
         if max_score is None and not checks and exercise_id in self.catalog:
             max_score = load(exercise_id).max_score
-        result = report.build(self.path.name, exercise_id, status, checks, time.monotonic() - self.start, reason,
-                              max_score if max_score is not None else (0 if not checks else None), **self.extra)  # fmt: skip
+        result = report.build(
+            self.path.name,
+            exercise_id,
+            status,
+            checks,
+            time.monotonic() - self.start,
+            reason,
+            max_score if max_score is not None else (0 if not checks else None),
+            **self.extra,
+        )
         result["feedback_file"] = str(feedback_path(self.report_path))
         report.write(result, self.report_path)
         feedback_path(self.report_path).write_text(report.feedback_markdown(result, self.title))
@@ -212,8 +232,12 @@ def grade_submission(
     if options.exercise and exercise_id != options.exercise:
         sub.extra["submitted_exercise"] = exercise_id
         sub.extra["warnings"].append(f"a submission of {exercise_id}, not {options.exercise}")
-        return sub.finish("error", [], f"this notebook is exercise {exercise_id!r}, not {options.exercise!r}, which "
-                          "this folder is graded for; grade it with its own exercise (or pass --exercise)")  # fmt: skip
+        return sub.finish(
+            "error",
+            [],
+            f"this notebook is exercise {exercise_id!r}, not {options.exercise!r}, which "
+            "this folder is graded for; grade it with its own exercise (or pass --exercise)",
+        )
     try:
         exercise = load(exercise_id)
     except LookupError as e:
@@ -279,9 +303,17 @@ def _grade_in(tmp: Path, sub: _Submission, exercise: Exercise, cells: list[dict]
     answers = tmp / "answers"
     answers.mkdir()
     job, out = answers / "job.json", answers / "observations.json"
-    job.write_text(json.dumps({"exercise": exercise.id, "seed": seed, "cells": cells,
-                               "cell_limit_s": sub.options.cell_timeout_s,
-                               "check_limit_s": sub.options.check_timeout_s}))  # fmt: skip
+    job.write_text(
+        json.dumps(
+            {
+                "exercise": exercise.id,
+                "seed": seed,
+                "cells": cells,
+                "cell_limit_s": sub.options.cell_timeout_s,
+                "check_limit_s": sub.options.check_timeout_s,
+            }
+        )
+    )
     cmd = [sys.executable, "-m", "labkit.grading.extract", str(job), str(out)]
     bound = sub.extra["limits_s"]["answers"]
     probed = sandbox.run(cmd, answers, bound, tmp / "answers.log", limits=sub.options.limits)
@@ -304,8 +336,16 @@ def _grade_in(tmp: Path, sub: _Submission, exercise: Exercise, cells: list[dict]
     return sub.finish("error", _not_graded(exercise, reason), reason, exercise.id)
 
 
-def _judge(sub: _Submission, exercise: Exercise, data: dict, probed: sandbox.Outcome, cells: list[dict],
-           missing: list[str], seed: int, lock_entry: dict) -> dict:  # fmt: skip
+def _judge(
+    sub: _Submission,
+    exercise: Exercise,
+    data: dict,
+    probed: sandbox.Outcome,
+    cells: list[dict],
+    missing: list[str],
+    seed: int,
+    lock_entry: dict,
+) -> dict:
     """Step 5: the integrity flags, then every observation judged here."""
     judged = time.monotonic()
     notes = [f"answer cell {cell_id!r} is missing from the submission" for cell_id in missing]
@@ -314,8 +354,9 @@ def _judge(sub: _Submission, exercise: Exercise, data: dict, probed: sandbox.Out
             verb = "" if cell.get("timed_out") else "raised "
             notes.append(f"cell {cell.get('id')!r} {verb}{cell['error']}")
             if cell.get("timed_out"):
-                sub.extra["limits_hit"].append({"where": f"cell {cell.get('id')!r}", "limit": "time",
-                                                "what": str(cell["error"])})  # fmt: skip
+                sub.extra["limits_hit"].append(
+                    {"where": f"cell {cell.get('id')!r}", "limit": "time", "what": str(cell["error"])}
+                )
     flags = _integrity_flags(sub, exercise, cells, data.get("origins"))
     observations = data.get("observations") if isinstance(data.get("observations"), dict) else {}
     if len(observations) < len(exercise.checks):
@@ -439,8 +480,15 @@ def grade_folder(
         try:
             return grade_submission(path, target, None, catalog, options)
         except Exception as e:  # noqa: BLE001 (a grader bug on one file is reported on that file's row)
-            failed = report.build(path.name, options.exercise, "error", [], 0.0,
-                                  f"the grader failed: {type(e).__name__}: {e}", 0)  # fmt: skip
+            failed = report.build(
+                path.name,
+                options.exercise,
+                "error",
+                [],
+                0.0,
+                f"the grader failed: {type(e).__name__}: {e}",
+                0,
+            )
             report.write(failed, target)
             return failed
 

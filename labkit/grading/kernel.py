@@ -118,8 +118,11 @@ def _edited_locked_cells(pristine, inputs: list[str], cells: list[dict]) -> list
     for text in inputs:
         if text.strip() in originals or text.strip() in graded:
             continue
-        ratio, cell = max(((difflib.SequenceMatcher(None, text, source(c)).ratio(), c) for c in locked),
-                          key=lambda pair: pair[0], default=(0.0, None))  # fmt: skip
+        ratio, cell = max(
+            ((difflib.SequenceMatcher(None, text, source(c)).ratio(), c) for c in locked),
+            key=lambda pair: pair[0],
+            default=(0.0, None),
+        )
         if cell is not None and ratio >= EDITED_SIMILARITY and cell.id not in said:
             said.add(cell.id)
             out.append(

@@ -44,11 +44,20 @@ def _state_cases(ns: dict) -> list:
     p, n = FACT_PARAMS, FACT_RANKS
     chain = [float(fn(p, n, s)) for s in ("ddp", "zero1", "zero2", "zero3")]
     return [
-        (math.isclose(chain[0], want := _fact_sheet_state("ddp"), abs_tol=16), f"ddp, 30e9 params: {chain[0]:g} B, the fact sheet's {want:g} B"),
-        (math.isclose(chain[3], want := _fact_sheet_state("zero3"), abs_tol=16), f"zero3, 30e9 on 256 ranks: {chain[3]:g} B, the fact sheet's {want:g} B"),
+        (
+            math.isclose(chain[0], want := _fact_sheet_state("ddp"), abs_tol=16),
+            f"ddp, 30e9 params: {chain[0]:g} B, the fact sheet's {want:g} B",
+        ),
+        (
+            math.isclose(chain[3], want := _fact_sheet_state("zero3"), abs_tol=16),
+            f"zero3, 30e9 on 256 ranks: {chain[3]:g} B, the fact sheet's {want:g} B",
+        ),
         (chain == sorted(chain, reverse=True), f"ddp >= zero1 >= zero2 >= zero3 on 256 ranks: {chain}"),
-        (float(fn(p, 8, "ddp")) == chain[0], "ddp replicates everything: its bytes do not depend on the world size"),
-    ]  # fmt: skip
+        (
+            float(fn(p, 8, "ddp")) == chain[0],
+            "ddp replicates everything: its bytes do not depend on the world size",
+        ),
+    ]
 
 
 def _fit_cases(ns: dict) -> list:
@@ -77,8 +86,13 @@ def _shard_cases(ns: dict) -> list:
         same = all(tuple(s.shape) == (rows, *shape[1:]) for s in shards)
         whole = same and torch.equal(torch.cat(shards)[: shape[0]], full)
         padding = same and not torch.cat(shards)[shape[0] :].any()
-        cases.append((whole and padding, f"shape {list(shape)} on {n} ranks: not ceil(d0/n) rows each, "
-                      "the rows in rank order, then zero rows"))  # fmt: skip
+        cases.append(
+            (
+                whole and padding,
+                f"shape {list(shape)} on {n} ranks: not ceil(d0/n) rows each, "
+                "the rows in rank order, then zero rows",
+            )
+        )
     return cases
 
 
@@ -100,7 +114,9 @@ def _gather_cases(ns: dict) -> list:
         same = labkit.launch(
             _round_trip, DEMO_RANKS, shard_rows, gather_full, d0, 4, timeout=LAUNCH_TIMEOUT_S
         )
-        cases.append((all(same), f"d0={d0} on {DEMO_RANKS} ranks: gather_full(shard_rows(...)) is not the parameter"))  # fmt: skip
+        cases.append(
+            (all(same), f"d0={d0} on {DEMO_RANKS} ranks: gather_full(shard_rows(...)) is not the parameter")
+        )
     return cases
 
 
@@ -126,10 +142,12 @@ def _flat_cases(ns: dict) -> list:
 
     fn = answer(ns, "reduce_scatter_mean")
     return [
-        (all(labkit.launch(_mean_rank, DEMO_RANKS, fn, numel, timeout=LAUNCH_TIMEOUT_S)),
-         f"{numel} elements on {DEMO_RANKS} ranks: not this rank's chunk of all_reduce's sum / n")
+        (
+            all(labkit.launch(_mean_rank, DEMO_RANKS, fn, numel, timeout=LAUNCH_TIMEOUT_S)),
+            f"{numel} elements on {DEMO_RANKS} ranks: not this rank's chunk of all_reduce's sum / n",
+        )
         for numel in (10, 9)
-    ]  # fmt: skip
+    ]
 
 
 def _pack_cases(ns: dict) -> list:
@@ -142,9 +160,15 @@ def _pack_cases(ns: dict) -> list:
     numel = sum(-(-g.shape[0] // n) * n * (g.numel() // g.shape[0]) for g in grads)
     total = sum(float(g.sum()) for g in grads)
     return [
-        (out.dim() == 1 and out.numel() == numel, f"shapes (7, 2) and (5,) on 3 ranks: {out.numel()} elements, want {numel}"),
-        (math.isclose(float(out.sum()), total, rel_tol=1e-5, abs_tol=1e-5), "the buffer's sum is not the gradients' sum"),
-    ]  # fmt: skip
+        (
+            out.dim() == 1 and out.numel() == numel,
+            f"shapes (7, 2) and (5,) on 3 ranks: {out.numel()} elements, want {numel}",
+        ),
+        (
+            math.isclose(float(out.sum()), total, rel_tol=1e-5, abs_tol=1e-5),
+            "the buffer's sum is not the gradients' sum",
+        ),
+    ]
 
 
 # ------------------------------------------------------------------------------------ ex04_prefetch
@@ -162,9 +186,15 @@ def _order_cases(ns: dict) -> list:
         blocks_f = [u for u in f if u != "root"]
         blocks_b = [u for u in b if u != "root"]
         cases += [
-            (sorted(f) == sorted(_units(n)) == sorted(b), f"{n} blocks: each order names 'root' and every block once"),
-            (blocks_f == _units(n)[1:] and blocks_b == blocks_f[::-1], f"{n} blocks: backward visits the blocks in reverse"),
-        ]  # fmt: skip
+            (
+                sorted(f) == sorted(_units(n)) == sorted(b),
+                f"{n} blocks: each order names 'root' and every block once",
+            ),
+            (
+                blocks_f == _units(n)[1:] and blocks_b == blocks_f[::-1],
+                f"{n} blocks: backward visits the blocks in reverse",
+            ),
+        ]
     return cases
 
 
@@ -176,7 +206,12 @@ def _schedule_cases(ns: dict) -> list:
         mine = [r for r in rows if r[0] == moment]
         cases.append(([r[1] for r in mine] == order, f"{moment}: the hooks fire in your own order"))
         later = all(r[2] is None or order.index(r[2]) > order.index(r[1]) for r in mine)
-        cases.append((later and bool(mine) and mine[-1][2] is None, f"{moment}: a hook prefetches a later unit, the last none"))  # fmt: skip
+        cases.append(
+            (
+                later and bool(mine) and mine[-1][2] is None,
+                f"{moment}: a hook prefetches a later unit, the last none",
+            )
+        )
     return cases
 
 
@@ -215,15 +250,24 @@ def parse(config: dict, world_size: int):
 
 
 def _config_cases(ns: dict) -> list:
-    world_size, micro, gpn = (ns.get(k, d) for k, d in (("world_size", 4), ("micro_batch", 2), ("gpus_per_node", 8)))  # fmt: skip
+    world_size, micro, gpn = (
+        ns.get(k, d) for k, d in (("world_size", 4), ("micro_batch", 2), ("gpus_per_node", 8))
+    )
     cases = []
-    for name, config in (("offload_config", answer(ns, "offload_config")(world_size, micro)),
-                         ("zeropp_config", answer(ns, "zeropp_config")(world_size, gpn, micro))):  # fmt: skip
+    for name, config in (
+        ("offload_config", answer(ns, "offload_config")(world_size, micro)),
+        ("zeropp_config", answer(ns, "zeropp_config")(world_size, gpn, micro)),
+    ):
         try:
             stage = int(parse(config, world_size).zero_config.stage)
             cases.append((stage == 3, f"{name}: DeepSpeed parses ZeRO stage {stage}, want 3"))
         except Exception as e:  # noqa: BLE001 (DeepSpeed raises assertion, pydantic and value errors)
-            cases.append((False, f"{name}: DeepSpeed refuses it ({type(e).__name__}: {' '.join(str(e).split())[:200]})"))  # fmt: skip
+            cases.append(
+                (
+                    False,
+                    f"{name}: DeepSpeed refuses it ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
+                )
+            )
     return cases
 
 
@@ -235,11 +279,21 @@ def _group_cases(ns: dict) -> list:
     for n, g in ((8, 4), (12, 3)):
         shard, replicate = fn(n, g)
         flat = sorted(r for group in shard for r in group)
-        cases.append((flat == list(range(n)) and all(len(s) == g for s in shard), f"{n} ranks, groups of {g}: shard groups of {g} that partition the ranks"))  # fmt: skip
+        cases.append(
+            (
+                flat == list(range(n)) and all(len(s) == g for s in shard),
+                f"{n} ranks, groups of {g}: shard groups of {g} that partition the ranks",
+            )
+        )
         one_each = all(
             len(rep) == n // g and all(len(set(rep) & set(s)) == 1 for s in shard) for rep in replicate
         )
-        cases.append((one_each and len(replicate) == g, f"{n} ranks, groups of {g}: each replicate group takes one rank of every shard group"))  # fmt: skip
+        cases.append(
+            (
+                one_each and len(replicate) == g,
+                f"{n} ranks, groups of {g}: each replicate group takes one rank of every shard group",
+            )
+        )
     return cases
 
 
@@ -259,14 +313,23 @@ def _traffic_cases(ns: dict) -> list:
 
 def _cross_cases(ns: dict) -> list:
     crosses = answer(ns, "crosses_groups")
-    return [(set(crosses) < {"all_gather", "reduce_scatter", "all_reduce"} and bool(crosses),
-             "crosses_groups names some, not all, of all_gather, reduce_scatter, all_reduce")]  # fmt: skip
+    return [
+        (
+            set(crosses) < {"all_gather", "reduce_scatter", "all_reduce"} and bool(crosses),
+            "crosses_groups names some, not all, of all_gather, reduce_scatter, all_reduce",
+        )
+    ]
 
 
 def _hsdp_state_cases(ns: dict) -> list:
     fn = answer(ns, "hsdp_state_bytes_per_rank")
     got, want = float(fn(FACT_PARAMS, 512, FACT_GROUP)), _fact_sheet_state("hsdp", 512, FACT_GROUP)
-    return [(math.isclose(got, want, abs_tol=16), f"30e9 params, 512 ranks in groups of 8: {got:g} B, the fact sheet's {want:g} B (1/8 of the state)")]  # fmt: skip
+    return [
+        (
+            math.isclose(got, want, abs_tol=16),
+            f"30e9 params, 512 ranks in groups of 8: {got:g} B, the fact sheet's {want:g} B (1/8 of the state)",
+        )
+    ]
 
 
 # ------------------------------------------------------------------------------------ ex07_capstone
@@ -283,22 +346,38 @@ def _build_cases(ns: dict) -> list:
 
 
 PUBLIC = {
-    "ex01_memory": (_public("state bytes: the fact sheet's figures and their order", _state_cases, ("state_bytes_per_rank",)),
-                    _public("fewest ranks: by your own state bytes", _fit_cases, ("min_ranks_to_fit",))),
-    "ex02_shard": (_public("shard: ceil(d0/n) rows, in order, zero-padded", _shard_cases, ("shard_rows",)),
-                   _public(f"round trip on {DEMO_RANKS} ranks", _gather_cases, ("gather_full",))),
-    "ex03_reduce_scatter": (_public("reduce_scatter_mean against torch's all_reduce", _flat_cases, ("reduce_scatter_mean",)),
-                            _public("pack_grads: every gradient once, padded", _pack_cases, ("pack_grads",))),
-    "ex04_prefetch": (_public("hook orders", _order_cases, ("forward_order", "backward_order")),
-                      _public("schedule follows your orders", _schedule_cases, ("prefetch_schedule",)),
-                      _public("all-gather counts", _count_cases, ("all_gathers_per_step",))),
-    "ex05_deepspeed": (_public("DeepSpeed parses both configs", _config_cases, ("offload_config", "zeropp_config")),),
-    "ex06_hsdp": (_public("mesh groups", _group_cases, ("hsdp_groups",)),
-                  _public("traffic: the three collectives", _traffic_cases, ("hsdp_traffic",)),
-                  _public("what crosses groups", _cross_cases, ("crosses_groups",)),
-                  _public("state: the fact sheet's figure", _hsdp_state_cases, ("hsdp_state_bytes_per_rank",))),
-    "ex07_capstone": (_public(f"training on {DEMO_RANKS} ranks matches single", _build_cases, ("shard", "gather")),),
-}  # fmt: skip
+    "ex01_memory": (
+        _public(
+            "state bytes: the fact sheet's figures and their order", _state_cases, ("state_bytes_per_rank",)
+        ),
+        _public("fewest ranks: by your own state bytes", _fit_cases, ("min_ranks_to_fit",)),
+    ),
+    "ex02_shard": (
+        _public("shard: ceil(d0/n) rows, in order, zero-padded", _shard_cases, ("shard_rows",)),
+        _public(f"round trip on {DEMO_RANKS} ranks", _gather_cases, ("gather_full",)),
+    ),
+    "ex03_reduce_scatter": (
+        _public("reduce_scatter_mean against torch's all_reduce", _flat_cases, ("reduce_scatter_mean",)),
+        _public("pack_grads: every gradient once, padded", _pack_cases, ("pack_grads",)),
+    ),
+    "ex04_prefetch": (
+        _public("hook orders", _order_cases, ("forward_order", "backward_order")),
+        _public("schedule follows your orders", _schedule_cases, ("prefetch_schedule",)),
+        _public("all-gather counts", _count_cases, ("all_gathers_per_step",)),
+    ),
+    "ex05_deepspeed": (
+        _public("DeepSpeed parses both configs", _config_cases, ("offload_config", "zeropp_config")),
+    ),
+    "ex06_hsdp": (
+        _public("mesh groups", _group_cases, ("hsdp_groups",)),
+        _public("traffic: the three collectives", _traffic_cases, ("hsdp_traffic",)),
+        _public("what crosses groups", _cross_cases, ("crosses_groups",)),
+        _public("state: the fact sheet's figure", _hsdp_state_cases, ("hsdp_state_bytes_per_rank",)),
+    ),
+    "ex07_capstone": (
+        _public(f"training on {DEMO_RANKS} ranks matches single", _build_cases, ("shard", "gather")),
+    ),
+}
 
 
 def load(exercise_id: str, title: str) -> Exercise:

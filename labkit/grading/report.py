@@ -25,8 +25,24 @@ STATUSES = (
     "memory",
 )  # memory: the answers process was killed at --memory-limit
 MISSING = "missing"  # a gradebook status only: a rostered student with no submission
-GRADEBOOK_COLUMNS = ("student", "name", "file", "exercise", "status", "score", "max", "submitted_at", "late",
-                     "seed", "class_seed", "feedback", "reason", "warning", "runtime", "labkit_version")  # fmt: skip
+GRADEBOOK_COLUMNS = (
+    "student",
+    "name",
+    "file",
+    "exercise",
+    "status",
+    "score",
+    "max",
+    "submitted_at",
+    "late",
+    "seed",
+    "class_seed",
+    "feedback",
+    "reason",
+    "warning",
+    "runtime",
+    "labkit_version",
+)
 CHECK_PREFIX = "check: "
 ROSTER_KEYS = (
     "student",
@@ -41,8 +57,16 @@ CANVAS_COLUMNS = ("Student", "ID", "SIS User ID", "SIS Login ID", "Section")
 _FEEDBACK_CHARS = 1000
 
 
-def build(file: str, exercise: str | None, status: str, checks: list[dict], runtime_s: float,
-          reason: str = "", max_score: float | None = None, **extra) -> dict:  # fmt: skip
+def build(
+    file: str,
+    exercise: str | None,
+    status: str,
+    checks: list[dict],
+    runtime_s: float,
+    reason: str = "",
+    max_score: float | None = None,
+    **extra,
+) -> dict:
     """A report dict. `max_score` defaults to the checks' total; the score is their points when graded."""
     if status not in STATUSES:
         raise ValueError(f"status {status!r}: use one of {', '.join(STATUSES)}")
@@ -183,9 +207,13 @@ def gradebook_row(report: dict, deadline: datetime | None = None) -> dict:
     return row
 
 
-def gradebook_rows(reports: Sequence[dict], roster: Sequence[dict] | None = None,
-                   deadline: datetime | None = None, exercise: str | None = None,
-                   max_score: float | None = None) -> list[dict]:  # fmt: skip
+def gradebook_rows(
+    reports: Sequence[dict],
+    roster: Sequence[dict] | None = None,
+    deadline: datetime | None = None,
+    exercise: str | None = None,
+    max_score: float | None = None,
+) -> list[dict]:
     """Rows for `reports` (with roster warnings: not on it, several submissions) and for absent students."""
     rows = [gradebook_row(r, deadline) for r in reports]
     by_student: dict[str, list[dict]] = {}
@@ -210,9 +238,16 @@ def gradebook_rows(reports: Sequence[dict], roster: Sequence[dict] | None = None
 
 
 def missing_row(student: str, name: str, exercise: str | None, max_score: float | None) -> dict:
-    return {"student": student, "name": name, "file": "", "exercise": exercise or "", "status": MISSING,
-            "score": "0", "max": "" if max_score is None else format_points(max_score),
-            "reason": "no submission"}  # fmt: skip
+    return {
+        "student": student,
+        "name": name,
+        "file": "",
+        "exercise": exercise or "",
+        "status": MISSING,
+        "score": "0",
+        "max": "" if max_score is None else format_points(max_score),
+        "reason": "no submission",
+    }
 
 
 def _join(a: str, b: str) -> str:
@@ -280,6 +315,13 @@ def write_canvas(rows: Sequence[dict], roster: Sequence[dict] | None, path: Path
         writer.writerow([*CANVAS_COLUMNS, assignment])
         for student, row in best.items():
             known = by_id.get(student, {})
-            writer.writerow([known.get("Student") or row.get("name") or student, known.get("ID", ""),
-                             known.get("SIS User ID", ""), known.get("SIS Login ID") or student,
-                             known.get("Section", ""), row["score"]])  # fmt: skip
+            writer.writerow(
+                [
+                    known.get("Student") or row.get("name") or student,
+                    known.get("ID", ""),
+                    known.get("SIS User ID", ""),
+                    known.get("SIS Login ID") or student,
+                    known.get("Section", ""),
+                    row["score"],
+                ]
+            )

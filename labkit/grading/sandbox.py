@@ -44,8 +44,27 @@ FILE_BYTES_LIMIT = 2**30  # largest file a submission may write (bytes)
 SANDBOXES = ("auto", "bwrap", "none")
 _SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?i?B?)?\s*$", re.IGNORECASE)
 # Variables a sandboxed child keeps (prefixes); everything else of the grader's environment stays outside.
-_KEEP_ENV = ("PATH", "LANG", "LANGUAGE", "LC_", "TZ", "TERM", "CUDA_", "NVIDIA_", "NCCL_", "LD_LIBRARY_PATH",
-             "OMP_", "MKL_", "OPENBLAS_", "TORCH_", "DS_", "LABKIT_", "VIRTUAL_ENV", "MPLBACKEND", "PYDEVD_")  # fmt: skip
+_KEEP_ENV = (
+    "PATH",
+    "LANG",
+    "LANGUAGE",
+    "LC_",
+    "TZ",
+    "TERM",
+    "CUDA_",
+    "NVIDIA_",
+    "NCCL_",
+    "LD_LIBRARY_PATH",
+    "OMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "TORCH_",
+    "DS_",
+    "LABKIT_",
+    "VIRTUAL_ENV",
+    "MPLBACKEND",
+    "PYDEVD_",
+)
 _MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
 _MASKED_DIRS = ("/etc/ssh", "/etc/ssl/private", "/etc/sudoers.d")
 
@@ -101,8 +120,15 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def run(cmd: list[str], cwd: Path, timeout_s: float, log_path: Path, env: dict | None = None,
-        limits: Limits | None = None, writable: Path | None = None) -> Outcome:  # fmt: skip
+def run(
+    cmd: list[str],
+    cwd: Path,
+    timeout_s: float,
+    log_path: Path,
+    env: dict | None = None,
+    limits: Limits | None = None,
+    writable: Path | None = None,
+) -> Outcome:
     """Run `cmd` in `cwd` for at most `timeout_s` seconds (wall clock), stdout and stderr to `log_path`,
     inside `limits`; `writable` (default `cwd`) is the one folder a sandboxed child may write.
 
@@ -113,8 +139,10 @@ def run(cmd: list[str], cwd: Path, timeout_s: float, log_path: Path, env: dict |
     child_env = {**os.environ, **(env or {}), TOKEN_VAR: token}
     groups = Cgroups.create(token, limits)
     containment = dict(groups.mechanisms)
-    spec: dict = {"cgroups": groups.procs_files, "rlimits": {"core": 0, "fsize": FILE_BYTES_LIMIT,
-                  "cpu": int(timeout_s * (os.cpu_count() or 1)) + 60}}  # fmt: skip
+    spec: dict = {
+        "cgroups": groups.procs_files,
+        "rlimits": {"core": 0, "fsize": FILE_BYTES_LIMIT, "cpu": int(timeout_s * (os.cpu_count() or 1)) + 60},
+    }
     if limits.memory_bytes and not gpu_visible():
         spec["rlimits"]["as"] = limits.memory_bytes
         containment["memory"] = (containment.get("memory", "") + " + RLIMIT_AS per process").lstrip(" +")
@@ -146,8 +174,15 @@ def run(cmd: list[str], cwd: Path, timeout_s: float, log_path: Path, env: dict |
     start = time.monotonic()
     try:
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(wrapped, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                wrapped,
+                cwd=cwd,
+                env=child_env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 returncode, timed_out = proc.wait(timeout=timeout_s), False
             except subprocess.TimeoutExpired:
@@ -379,8 +414,23 @@ def bwrap_usable() -> bool:
     if exe is None:
         return False
     try:
-        done = subprocess.run([exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-net",
-                               "--unshare-pid", "true"], capture_output=True, timeout=30)  # fmt: skip
+        done = subprocess.run(
+            [
+                exe,
+                "--ro-bind",
+                "/",
+                "/",
+                "--dev",
+                "/dev",
+                "--proc",
+                "/proc",
+                "--unshare-net",
+                "--unshare-pid",
+                "true",
+            ],
+            capture_output=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
@@ -405,8 +455,18 @@ def _read_only_roots() -> list[str]:
     """What a sandboxed Python needs to see: the system, the interpreter, the environment, labkit itself."""
     import labkit
 
-    roots = ["/usr", "/etc", "/sys", "/opt", sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix,
-             str(Path(sys.executable).resolve().parents[1]), str(Path(labkit.__file__).resolve().parent)]  # fmt: skip
+    roots = [
+        "/usr",
+        "/etc",
+        "/sys",
+        "/opt",
+        sys.base_prefix,
+        sys.base_exec_prefix,
+        sys.prefix,
+        sys.exec_prefix,
+        str(Path(sys.executable).resolve().parents[1]),
+        str(Path(labkit.__file__).resolve().parent),
+    ]
     return [r for r in dict.fromkeys(os.path.realpath(r) for r in roots) if os.path.isdir(r)]
 
 
@@ -424,8 +484,16 @@ def _solutions_in(roots: list[str]) -> list[str]:
 
 def bwrap_argv(writable: Path, cwd: Path, env: dict[str, str]) -> list[str]:
     """The bubblewrap command line that runs a child in the sandbox the module docstring describes."""
-    argv = ["bwrap", "--die-with-parent", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--clearenv"]  # fmt: skip
+    argv = [
+        "bwrap",
+        "--die-with-parent",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--clearenv",
+    ]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
             argv += ["--symlink", os.readlink(top), top]

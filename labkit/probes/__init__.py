@@ -24,8 +24,18 @@ from labkit.probes.comm import CollectiveCall, CommProbe, EmulatedLink
 from labkit.probes.memory import PeakMemory, state_bytes, state_bytes_by_device
 from labkit.probes.timeline import Timeline, comm_s, device_sync, exposed_comm_s
 
-__all__ = ["Probes", "CommProbe", "CollectiveCall", "EmulatedLink", "PeakMemory", "Timeline", "comm_s",
-           "exposed_comm_s", "state_bytes", "state_bytes_by_device"]  # fmt: skip
+__all__ = [
+    "Probes",
+    "CommProbe",
+    "CollectiveCall",
+    "EmulatedLink",
+    "PeakMemory",
+    "Timeline",
+    "comm_s",
+    "exposed_comm_s",
+    "state_bytes",
+    "state_bytes_by_device",
+]
 
 
 class Probes:

@@ -76,8 +76,14 @@ class Timeline:
 
     def add_abs(self, kind: str, name: str, start_abs_s: float, end_abs_s: float) -> None:
         """Record an event given in `time.perf_counter()` seconds (thread-safe: comm completes elsewhere)."""
-        event = {"rank": self.rank, "kind": kind, "name": name, "start_s": start_abs_s - self.t0_s,
-                 "end_s": end_abs_s - self.t0_s, "step": self.step}  # fmt: skip
+        event = {
+            "rank": self.rank,
+            "kind": kind,
+            "name": name,
+            "start_s": start_abs_s - self.t0_s,
+            "end_s": end_abs_s - self.t0_s,
+            "step": self.step,
+        }
         with self._lock:
             self.events.append(event)
 
@@ -233,8 +239,10 @@ def compute_segments(events: Sequence[dict], rank: int) -> list[dict]:
     out = [{**w, "rank": rank} for w in waits]
 
     def add(e: dict, name: str, pieces: Iterable[Interval]) -> None:
-        out.extend({"rank": rank, "kind": "compute", "name": name, "start_s": s, "end_s": t,
-                    "step": e.get("step")} for s, t in pieces)  # fmt: skip
+        out.extend(
+            {"rank": rank, "kind": "compute", "name": name, "start_s": s, "end_s": t, "step": e.get("step")}
+            for s, t in pieces
+        )
 
     for e in units:
         add(e, e["name"], subtract_intervals([(e["start_s"], e["end_s"])], holes))
@@ -269,6 +277,13 @@ def _merged_waits(waits: Iterable[dict]) -> list[dict]:
             if w["name"] not in last["name"].split("+"):
                 last["name"] += f"+{w['name']}"
         else:
-            out.append({"kind": "wait", "name": w["name"], "start_s": w["start_s"], "end_s": w["end_s"],
-                        "step": w.get("step")})  # fmt: skip
+            out.append(
+                {
+                    "kind": "wait",
+                    "name": w["name"],
+                    "start_s": w["start_s"],
+                    "end_s": w["end_s"],
+                    "step": w.get("step"),
+                }
+            )
     return out

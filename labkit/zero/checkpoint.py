@@ -89,8 +89,10 @@ def load(path: str, zero: ZeRO3, optimizer: ShardedAdamW) -> None:
         for name, shard in zero.named_shards():
             shard.copy_(reshard("params", name))
     names = _optimizer_names(zero, optimizer)
-    optimizer.load_state_dict({
-        "step": old[0]["step"],
-        "exp_avg": [reshard("exp_avg", name) for name in names],
-        "exp_avg_sq": [reshard("exp_avg_sq", name) for name in names],
-    })  # fmt: skip
+    optimizer.load_state_dict(
+        {
+            "step": old[0]["step"],
+            "exp_avg": [reshard("exp_avg", name) for name in names],
+            "exp_avg_sq": [reshard("exp_avg_sq", name) for name in names],
+        }
+    )

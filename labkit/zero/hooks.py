@@ -61,10 +61,20 @@ class ZeRO3:
     input and an output unit (module docstring). `prefetch_depth`: how many units ahead to gather.
     """
 
-    def __init__(self, model: nn.Module, group=None, reshard_after_forward: bool = True,
-                 prefetch: bool = True, compute_dtype: torch.dtype = torch.float32, trace: list | None = None,
-                 *, units: UnitSpec = None, replicate_group=None, split_root: bool = False,
-                 prefetch_depth: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        group=None,
+        reshard_after_forward: bool = True,
+        prefetch: bool = True,
+        compute_dtype: torch.dtype = torch.float32,
+        trace: list | None = None,
+        *,
+        units: UnitSpec = None,
+        replicate_group=None,
+        split_root: bool = False,
+        prefetch_depth: int = 1,
+    ):
         if not dist.is_initialized():
             raise RuntimeError("ZeRO3 needs an initialised process group; run it inside labkit.launch")
         self.model = model

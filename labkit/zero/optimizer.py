@@ -24,8 +24,15 @@ import torch
 class ShardedAdamW:
     """AdamW over `shards` (float32 tensors whose `.grad` the reduce-scatter filled)."""
 
-    def __init__(self, shards: list[torch.Tensor], lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, offload: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        shards: list[torch.Tensor],
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        offload: bool = False,
+    ):
         self.shards = shards
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.offload = offload

@@ -90,8 +90,15 @@ class ShardedUnit:
     shard is all-reduced across them after the reduce-scatter. The mean is over both groups' ranks.
     """
 
-    def __init__(self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]], group, dtype,
-                 replicate_group=None):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        params: list[tuple[str, nn.Parameter]],
+        group,
+        dtype,
+        replicate_group=None,
+    ):
         self.name = name
         self.module = module
         self.group = group

@@ -294,13 +294,17 @@ def _values_hint(values: Any, expected: Any, shape: list[int], atol: float) -> s
             k = ratio if ratio >= 1 else 1 / ratio
             size = "large" if ratio > 1 else "small"
             factor = f"{round(k)} times" if abs(k - round(k)) < 1e-3 else f"{k:.3g} times"
-            return (f": every value is {factor} too {size} (a factor of the ranks: the sum where the mean is "
-                    "wanted, or a division by n twice?)")  # fmt: skip
+            return (
+                f": every value is {factor} too {size} (a factor of the ranks: the sum where the mean is "
+                "wanted, or a division by n twice?)"
+            )
     if torch.allclose(values.sort().values, expected.sort().values, atol=tol, rtol=1e-6):
         if len(shape) == 2 and torch.allclose(
             values.view(shape[1], shape[0]).T.flatten(), expected, atol=tol
         ):
             return ": the right values, transposed"
-        return (": the right values in the wrong order (packed parameter by parameter where rank by rank is "
-                "wanted, or the chunks of the wrong ranks?)")  # fmt: skip
+        return (
+            ": the right values in the wrong order (packed parameter by parameter where rank by rank is "
+            "wanted, or the chunks of the wrong ranks?)"
+        )
     return ""

@@ -97,8 +97,13 @@ def _zeropp_judge(got: list, seed: int) -> tuple[float, str]:
             cases.append((False, f"world_size={n}: DeepSpeed says {why}"))
             continue
         z = p.zero_config
-        seen = (int(z.stage), bool(z.zero_quantized_weights), int(z.zero_hpz_partition_size),
-                bool(z.zero_quantized_gradients), p.train_batch_size)  # fmt: skip
+        seen = (
+            int(z.stage),
+            bool(z.zero_quantized_weights),
+            int(z.zero_hpz_partition_size),
+            bool(z.zero_quantized_gradients),
+            p.train_batch_size,
+        )
         want = (3, True, gpn, True, micro * n)
         cases.append(
             (
