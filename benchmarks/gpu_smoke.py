@@ -287,10 +287,10 @@ def _expect(ok: bool, detail: str) -> str:
 
 def _helper_table(cfg, tmp: str) -> list[tuple[str, Any, Any, bool]]:
     """(name, call, verify: result -> detail, runs here) for every notebook's rank-side helper."""
-    from labkit.engines import deepspeed_inspect as di
-    from labkit.engines import fsdp2_features as ff
-    from labkit.engines import fsdp2_inspect as fi
     from labkit.engines import scratch
+    from labkit.lessons import deepspeed_inspect as di
+    from labkit.lessons import fsdp2_features as ff
+    from labkit.lessons import fsdp2_inspect as fi
 
     n = cfg.world_size
     dcp = os.path.join(tmp, "dcp")

@@ -22,7 +22,7 @@ from engine_helpers import assert_close, reference_losses
 import labkit
 from labkit.budget import collective_wire_bytes, deepspeed_zero_estimate
 from labkit.engines import deepspeed as dse
-from labkit.engines import deepspeed_inspect, loop, parity
+from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.engines.ds_config import (
     block_numel,
@@ -34,6 +34,7 @@ from labkit.engines.ds_config import (
     reduce_bucket_for_calls,
     reduce_scatters_per_step,
 )
+from labkit.lessons import deepspeed_inspect, parity
 from labkit.model import build_model, count_params
 from labkit.probes import Probes
 from labkit.probes.memory import STEP_SCALARS

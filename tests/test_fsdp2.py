@@ -18,8 +18,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
 import labkit
 from labkit.budget import padded_numel
-from labkit.engines import fsdp2, fsdp2_features, loop
+from labkit.engines import fsdp2, loop
 from labkit.engines.base import RunConfig
+from labkit.lessons import fsdp2_features
 from labkit.model import build_model, count_params
 from labkit.probes import Probes
 

@@ -171,7 +171,8 @@ def _helpers_under_watch() -> dict[str, dict]:
 
     from labkit.build import checks
     from labkit.build.cells import pieces_from_notebook
-    from labkit.engines import deepspeed_inspect, fsdp2_features, fsdp2_inspect, scratch
+    from labkit.engines import scratch
+    from labkit.lessons import deepspeed_inspect, fsdp2_features, fsdp2_inspect
 
     placed: dict[int, weakref.ref] = {}  # storage address -> the tensor the function returned
     models = [0]

@@ -1,11 +1,11 @@
-"""labkit.engines.parity's verdict on interleaved pairs of step times: decided on an interval, so noise cannot flip it.
+"""labkit.lessons.parity's verdict on interleaved pairs of step times: decided on an interval, so noise cannot flip it.
 
 Synthetic timings only (no ranks): the matched runs themselves are tested in test_deepspeed.py.
 """
 
 import pytest
 
-from labkit.engines import parity
+from labkit.lessons import parity
 
 
 def _verdict(ratios: list[float]) -> parity.ParityVerdict:

@@ -33,8 +33,8 @@ import labkit
 from labkit import budget
 from labkit.engines import scratch, single
 from labkit.engines.base import RankInfo, RunConfig
-from labkit.engines.foreign import EncoderLM
 from labkit.engines.loop import rank_info, timed_step
+from labkit.lessons.foreign import EncoderLM
 from labkit.probes import state_bytes
 from labkit.zero import checkpoint, instances_of
 from labkit.zero.units import model_units
@@ -196,7 +196,7 @@ CASES: dict[str, dict[str, Any]] = {
         "units": blocks,
     },
     "encoder": {
-        "build": EncoderLM,  # labkit.engines.foreign's, which notebook 05 shows
+        "build": EncoderLM,  # labkit.lessons.foreign's, which notebook 05 shows
         "units": lambda m: instances_of(nn.TransformerEncoderLayer),
     },
     "mixer": {"build": mixer, "units": lambda m: instances_of(PreNormResidual)},

@@ -6,9 +6,11 @@ calculator's controls are made from it), then composes `memory_terms` (`memory`)
 (`activations`), `traffic_terms` (`traffic`: typed `Term`s from the `STEP_COLLECTIVES` table) and
 `step_time` (`timing`), priced on a calibrated `machine` when given. `ring` is the same arithmetic applied
 to one tensor (`collective_wire_bytes`, `padded_numel`, ...), so the probes can predict what they measure;
-`search` asks many plans (`fewest_ranks`), `rows` reads one as text, `quantities` parses and prints sizes,
-`deepspeed_estimator` restates DeepSpeed's own estimate. Imports point one way: ring, quantities, machine
-<- inputs <- memory, activations, traffic <- timing <- planner <- search. Pure Python: no torch, no numpy.
+`search` asks many plans (`fewest_ranks`), `roofline` the tokens per rank above which prefetch hides the
+link (`critical_tokens`, `largest_useful_world_size`), `rows` reads one plan as text, `quantities` parses
+and prints sizes, `deepspeed_estimator` restates DeepSpeed's own estimate. Imports point one way: ring,
+quantities, machine <- inputs <- memory, activations, traffic <- timing <- planner <- search <- roofline.
+Pure Python: no torch, no numpy.
 Bytes are bytes (1 GB = 1e9 B), times are seconds; docs/budget.md states every formula in prose.
 """
 
@@ -50,6 +52,7 @@ from .ring import (
     shard_rows,
 )
 from .ring import _ring_bytes_all_ranks as _ring_bytes_all_ranks  # tests/test_multinode.py checks it
+from .roofline import closed_form_critical_tokens, critical_tokens, largest_useful_world_size
 from .rows import assumption_rows, summary_rows
 from .search import MAX_RANKS, fewest_ranks, needs_offload
 from .timing import (
@@ -80,6 +83,10 @@ __all__ = [
     "fewest_ranks",
     "needs_offload",
     "MAX_RANKS",
+    # when the link stops hiding behind compute
+    "critical_tokens",
+    "closed_form_critical_tokens",
+    "largest_useful_world_size",
     # the inputs
     "PlanInputs",
     "InputSpec",

@@ -150,7 +150,7 @@ def reduce_bucket_for_calls(model: str, calls: int) -> int:
 def module_units(model: str) -> int:
     """Units when every module that holds parameters directly is one: each block plus each root module
     (tok, pos, ln_f, head on the lab's GPT). DeepSpeed's with its blocks as leaves; FSDP2's in
-    `labkit.engines.parity`."""
+    `labkit.lessons.parity`."""
     net = build_model(model)
     in_blocks = {id(m) for b in net.blocks for m in b.modules()}
     root = [

@@ -1,0 +1,12 @@
+"""What the notebooks call beyond training an engine: the lessons' own instruments.
+
+    fsdp2_inspect      what `fully_shard` makes of a parameter, per-block mixed precision, its first-step log
+    fsdp2_features     HSDP, TP + FSDP on a 2-D mesh, DCP across world sizes, ignored params, compile
+    deepspeed_inspect  DeepSpeed's own accounting (comms logger, estimator) beside labkit's probe
+    parity             FSDP2 and DeepSpeed at matched granularity, timed in interleaved pairs
+    foreign            the scratch engine on torch's own encoder layers, a model the lab did not write
+
+They stand on `labkit.engines` and the probes; no engine imports them. Plots, tables, widgets and
+predictions, the other faces a notebook calls, are `labkit.plots`, `labkit.tables`, `labkit.widgets` and
+`labkit.predict`.
+"""
