@@ -120,11 +120,11 @@ def prediction_rows(steps: int, reps: int) -> tuple[list[str], dict]:
     return rows, {"profile": profiles[2], "tables": tables}
 
 
-PREFETCH_VARIANTS = {  # label -> (prefetch, options)
-    "no prefetch": (False, {}),
-    "prefetch, depth 1": (True, {}),
-    "prefetch, depth 2": (True, {"prefetch_depth": 2}),
-    "prefetch, depth 1, one root": (True, {"split_root": False}),
+PREFETCH_VARIANTS = {  # label -> the RunConfig settings it changes
+    "no prefetch": {"prefetch": False},
+    "prefetch, depth 1": {},
+    "prefetch, depth 2": {"prefetch_depth": 2},
+    "prefetch, depth 1, one root": {"options": {"split_root": False}},
 }
 
 
@@ -159,10 +159,7 @@ def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
     for model, target in PREFETCH_TARGETS.items():
         base = RunConfig(model=model, world_size=2, steps=steps)
         link = half_compute_link(base, profile)
-        cfgs = {
-            k: replace(base, link_gbytes=link, prefetch=p, options=o)
-            for k, (p, o) in PREFETCH_VARIANTS.items()
-        }
+        cfgs = {k: replace(base, link_gbytes=link, **change) for k, change in PREFETCH_VARIANTS.items()}
         results = dict(zip(cfgs, medians([("scratch", c) for c in cfgs.values()], reps), strict=True))
         single = run("single", replace(base, steps=steps))["losses"]
         off = results["no prefetch"]["step_s"]
@@ -184,8 +181,7 @@ def prefetch_rows(profile: dict, steps: int, reps: int) -> list[str]:
                 check += f"; unreachable: below the floor's ideal {ideal:.2f})" if ideal > target else ")"
             peak = max(rec["peak_mem_bytes"]) - off_peak
             busy_s, waiting_s = timing[label]
-            depth = cfg.options.get("prefetch_depth", 1)
-            gathered = budget.gathered_peak_bytes(unit_bytes(model, cfg), depth, cfg.prefetch) - off_gathered
+            gathered = budget.gathered_peak_bytes(unit_bytes(model, cfg), cfg.prefetch_depth) - off_gathered
             rows.append(
                 f"| {model} | {link:.4f} | {label} | {results[label]['step_s']:.3f} | {ratio:.2f} | "
                 f"{ideal:.2f} | {floor['floor_s'] * 1e3:.1f} | "

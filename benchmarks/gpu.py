@@ -34,6 +34,7 @@ from labkit import cluster
 from labkit.budget import model_flops_utilisation
 from labkit.engines.base import RunConfig
 from labkit.engines.loop import available_engines, run_many
+from labkit.engines.run_config import DTYPE_BYTES
 from labkit.model import GPT, count_params
 from labkit.model import config as model_config
 from labkit.tables import median_step_s
@@ -121,9 +122,7 @@ def benchmark_lines(reps: int, steps: int, model: str = "gpt-125m") -> list[str]
     gpus = cluster.visible_gpus() or 1
     world_size = min(gpus, 4)
     engines = [e for e in ENGINES if e in available_engines()]
-    cfgs = [
-        RunConfig(model=model, world_size=world_size, steps=steps, dtype=d) for d in ("float32", "bfloat16")
-    ]
+    cfgs = [RunConfig(model=model, world_size=world_size, steps=steps, dtype=d) for d in DTYPE_BYTES]
     times = step_times_ms(engines, cfgs, reps)
     shape = model_config(model)
     with torch.device("meta"):  # counted without allocating a 1B model's weights

@@ -449,9 +449,10 @@ def check_build_along(world_size: int) -> str:
 def check_engines(world_size: int) -> str:
     from labkit.engines.base import RunConfig
     from labkit.engines.loop import available_engines, run_many
+    from labkit.engines.run_config import DTYPE_BYTES
 
     engines = [e for e in ("ddp", "scratch", "fsdp1", "fsdp2", "deepspeed") if e in available_engines()]
-    cfgs = [RunConfig(model="tiny", world_size=world_size, steps=3, dtype=d) for d in ("float32", "bfloat16")]
+    cfgs = [RunConfig(model="tiny", world_size=world_size, steps=3, dtype=d) for d in DTYPE_BYTES]
     singles = run_many([("single", c) for c in cfgs])
     runs = [(e, c) for c in cfgs for e in engines] + [("scratch", cfgs[0])]  # scratch again: same peak?
     records = run_many(runs, timeout_s=LAUNCH_TIMEOUT_S)

@@ -2,11 +2,11 @@
 
 A notebook's ranks are read from its papermill `parameters` cell: the largest `*world_size` it sets
 (`world_size`, `hpz_world_size`). Its memory is one process for the kernel plus one per rank, each
-`cluster.RANK_BYTES_ESTIMATE` (an idle rank with torch imported, measured), plus on every rank the state of
+`placement.RANK_BYTES_ESTIMATE` (an idle rank with torch imported, measured), plus on every rank the state of
 an unsharded fp32 AdamW replica of the largest model the notebook names (`budget.plan(n, 1, "ddp")`: the
-most any engine in it holds). The node's capacity follows `cluster.max_ranks`: `cluster.RANKS_PER_CORE`
+most any engine in it holds). The node's capacity follows `placement.max_ranks`: `placement.RANKS_PER_CORE`
 CPU ranks per CPU of the CPU limit and the memory limit (`labkit.limits`: a container's are its cgroup's);
-a GPU rank needs its own GPU, else the notebook runs on CPU ranks (`cluster.choose_placement`, the rule
+a GPU rank needs its own GPU, else the notebook runs on CPU ranks (`placement.choose_placement`, the rule
 `labkit.launch` follows): `notebook_placement` says which, and why. `labkit doctor --class N` prints
 `class_report(N)`.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import nbformat
 
 from labkit import budget
-from labkit.cluster import RANK_BYTES_ESTIMATE, RANKS_PER_CORE, choose_placement
+from labkit.placement import RANK_BYTES_ESTIMATE, RANKS_PER_CORE, choose_placement
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ def notebook_needs(notebooks_dir: str | Path | None = None) -> list[NotebookNeed
 def node_capacity() -> dict[str, Any]:
     """This node's CPUs and memory as limited for this process (`labkit.limits.read_limits`: CPUs, bytes
     available now), its visible GPUs, and in `sources` where each limit was read."""
-    from labkit.cluster import visible_gpus
     from labkit.limits import read_limits
+    from labkit.placement import visible_gpus
 
     limits = read_limits()
     cpus = limits.cpus.value
@@ -126,7 +126,7 @@ def node_capacity() -> dict[str, Any]:
 
 def notebook_placement(need: NotebookNeed, gpus: int | None) -> dict[str, Any]:
     """Where `need`'s ranks run on a server with `gpus` GPUs, and why: {notebook, ranks, device,
-    gpus_needed (the GPUs per server that put it on GPUs: one per rank), why}. `cluster.choose_placement`
+    gpus_needed (the GPUs per server that put it on GPUs: one per rank), why}. `placement.choose_placement`
     decides, as it does for `labkit.launch`."""
     device = choose_placement(need.ranks, gpus).device_type
     if device == "cuda":

@@ -39,94 +39,41 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
     """
     import torch
 
-    from labkit import cluster, limits, prebuild
+    from labkit import limits, prebuild
 
     problems: list[str] = []
     versions = _versions(torch.__version__)
     pinned = _pins()
     torch_note = torch_support(torch.__version__, pinned.get("torch"))
-    for name, version in versions.items():
-        if version is None:
-            problems.append(f"{name} is not installed: {SETUP_ADVICE}")
-        elif name == "torch" and torch_note["runs"]:
-            continue  # a hub's own torch the lab runs on: said in `torch`, not a problem
-        elif name in pinned and _release(version) != _release(pinned[name]):
-            problems.append(
-                f"{name} {version} is installed but requirements.txt pins {pinned[name]}: {SETUP_ADVICE}"
-            )
-
-    where = cluster.placement(SMOKE_WORLD_SIZE)
-    backend = {
-        "world_size": SMOKE_WORLD_SIZE,
-        "backend": where.backend,
-        "device_type": where.device_type,
-        "start_method": where.start_method,
-    }
+    _check_versions(problems, versions, pinned, torch_note)
+    backend = _backend()
     found = limits.read_limits()
-    max_ranks, why = cluster.rank_limit(None, found)
-    by_device = {"cpu": cluster.rank_limit("cpu", found)[0]}
-    if cluster.visible_gpus():
-        by_device["cuda"] = cluster.rank_limit("cuda", found)[0]
-    if max(by_device.values()) < SMOKE_WORLD_SIZE:
-        problems.append(f"{why}; the lab needs at least {SMOKE_WORLD_SIZE}: raise that limit")
+    max_ranks, why, by_device = _rank_limits(problems, found)
     notebooks = _notebook_placements()
     _shm(problems, found, notebooks)
-
     tc = prebuild.toolchain()
-    toolchain = {
-        "cuda_home": tc.cuda_home,
-        "nvcc": shutil.which("nvcc"),
-        "nvcc_release": tc.nvcc_release,
-        "torch_cuda": tc.torch_cuda,
-        "visible_gpus": tc.gpus,
-        "libaio": tc.libaio,
-    }
     ops = _ops(problems, tc)
-    ninja = shutil.which("ninja")
-    if ninja is None:
-        problems.append(
-            "ninja is not on PATH, and DeepSpeed needs it to load its ops: activate the environment "
-            "(`source .venv/bin/activate`) or `pip install ninja`"
-        )
+    ninja = _ninja(problems)
     kernel = _kernel()
     if not kernel["registered"]:
         problems.append(
             f"the Jupyter kernel `{KERNEL_NAME}` is not registered: {SETUP_ADVICE} "
             f'(or `python -m ipykernel install --sys-prefix --name {KERNEL_NAME} --display-name "labkit"`)'
         )
-
     smoke_test = _smoke_test(problems) if smoke and max_ranks >= SMOKE_WORLD_SIZE else {"ran": False}
     devices = _devices(torch)  # after the smoke test: naming GPUs initialises CUDA, which forbids fork
-    extra: dict[str, Any] = {}
-    if students is not None:
-        from labkit import classroom
-
-        try:
-            extra["class"] = classroom.class_report(students)
-        except ValueError as e:  # no notebooks beside this labkit (installed without a checkout)
-            problems.append(str(e))
-        else:
-            if not extra["class"]["fits"]:
-                problems.extend(extra["class"]["advice"])
+    extra = {} if students is None else _class(problems, students)
     return {
         "versions": versions,
         "pinned": pinned,
         "torch": torch_note,
         "devices": devices,
         "backend": backend,
-        "limits": {
-            "cpus": found.cpus.value,
-            "cpus_source": found.cpus.source,
-            "memory_bytes": int(found.memory.value),
-            "memory_source": found.memory.source,
-            "shm_free_bytes": int(found.shm.value),
-            "shm_total_bytes": found.shm_total_bytes,
-            "ranks_bound_by": why,
-        },
+        "limits": _limits(found, why),
         "max_ranks": max_ranks,
         "max_ranks_by_device": by_device,
         "notebooks": notebooks,
-        "toolchain": toolchain,
+        "toolchain": _toolchain(tc),
         "deepspeed_ops": ops,
         "ninja": ninja,
         "kernel": kernel,
@@ -137,19 +84,112 @@ def diagnose(smoke: bool = True, students: int | None = None) -> dict[str, Any]:
     }
 
 
+def _check_versions(problems: list[str], versions: dict, pinned: dict[str, str], torch_note: dict) -> None:
+    """One line of advice per package missing, or installed at another release than requirements.txt pins
+    (a hub's own torch that the lab runs on is said in `torch_note`, not here)."""
+    for name, version in versions.items():
+        if version is None:
+            problems.append(f"{name} is not installed: {SETUP_ADVICE}")
+        elif name == "torch" and torch_note["runs"]:
+            continue
+        elif name in pinned and _release(version) != _release(pinned[name]):
+            problems.append(
+                f"{name} {version} is installed but requirements.txt pins {pinned[name]}: {SETUP_ADVICE}"
+            )
+
+
+def _backend() -> dict[str, Any]:
+    """The backend, device and start method `labkit.launch` uses for the smoke test's ranks."""
+    from labkit.placement import placement
+
+    where = placement(SMOKE_WORLD_SIZE)
+    return {
+        "world_size": SMOKE_WORLD_SIZE,
+        "backend": where.backend,
+        "device_type": where.device_type,
+        "start_method": where.start_method,
+    }
+
+
+def _rank_limits(problems: list[str], found) -> tuple[int, str, dict[str, int]]:
+    """(ranks this machine runs at once, the limit that decides it, ranks by device type); advice when
+    neither kind of rank reaches the smoke test's world size."""
+    from labkit.placement import rank_limit, visible_gpus
+
+    max_ranks, why = rank_limit(None, found)
+    by_device = {"cpu": rank_limit("cpu", found)[0]}
+    if visible_gpus():
+        by_device["cuda"] = rank_limit("cuda", found)[0]
+    if max(by_device.values()) < SMOKE_WORLD_SIZE:
+        problems.append(f"{why}; the lab needs at least {SMOKE_WORLD_SIZE}: raise that limit")
+    return max_ranks, why, by_device
+
+
+def _limits(found, why: str) -> dict[str, Any]:
+    """The limits that bound the ranks (`labkit.limits.read_limits`: CPUs, bytes) and the one that decides."""
+    return {
+        "cpus": found.cpus.value,
+        "cpus_source": found.cpus.source,
+        "memory_bytes": int(found.memory.value),
+        "memory_source": found.memory.source,
+        "shm_free_bytes": int(found.shm.value),
+        "shm_total_bytes": found.shm_total_bytes,
+        "ranks_bound_by": why,
+    }
+
+
+def _toolchain(tc) -> dict[str, Any]:
+    """What `prebuild.toolchain` found, with the nvcc on PATH."""
+    return {
+        "cuda_home": tc.cuda_home,
+        "nvcc": shutil.which("nvcc"),
+        "nvcc_release": tc.nvcc_release,
+        "torch_cuda": tc.torch_cuda,
+        "visible_gpus": tc.gpus,
+        "libaio": tc.libaio,
+    }
+
+
+def _ninja(problems: list[str]) -> str | None:
+    """The ninja on PATH (DeepSpeed loads its ops with it), or None and a line of advice."""
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        problems.append(
+            "ninja is not on PATH, and DeepSpeed needs it to load its ops: activate the environment "
+            "(`source .venv/bin/activate`) or `pip install ninja`"
+        )
+    return ninja
+
+
+def _class(problems: list[str], students: int) -> dict[str, Any]:
+    """{"class": `classroom.class_report(students)`}, its advice added to `problems` when the class does not
+    fit; {} and the reason as a problem where there are no course notebooks to size it by."""
+    from labkit import classroom
+
+    try:
+        report = classroom.class_report(students)
+    except ValueError as e:  # no notebooks beside this labkit (installed without a checkout)
+        problems.append(str(e))
+        return {}
+    if not report["fits"]:
+        problems.extend(report["advice"])
+    return {"class": report}
+
+
 def _notebook_placements() -> list[dict[str, Any]]:
     """Where each course notebook's ranks run on this server, and why (none without a course checkout)."""
-    from labkit import classroom, cluster
+    from labkit import classroom
+    from labkit.placement import CPU_BACKEND, visible_gpus
 
     try:
         needs = classroom.notebook_needs()
     except ValueError:
         return []
-    gpus = cluster.visible_gpus()
+    gpus = visible_gpus()
     rows = [classroom.notebook_placement(need, gpus) for need in needs]
     if gpus == 0:  # a CPU machine: CPU ranks are how the lab runs here, not GPUs it lacks
         for row in rows:
-            row["why"] = f"no GPU here: the ranks are CPU processes over {cluster.CPU_BACKEND}"
+            row["why"] = f"no GPU here: the ranks are CPU processes over {CPU_BACKEND}"
     return rows
 
 
@@ -354,10 +394,10 @@ def _smoke_test(problems: list[str]) -> dict[str, Any]:
 
 
 def _devices(torch) -> dict[str, Any]:
-    from labkit import cluster
+    from labkit.placement import visible_gpus
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if cluster.visible_gpus() == 0 or not torch.cuda.is_available():
+    if visible_gpus() == 0 or not torch.cuda.is_available():
         return {"summary": "cpu only", "cuda_count": 0, "cuda_names": [], "cpu_cores": cores}
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {

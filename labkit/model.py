@@ -128,13 +128,18 @@ def build_model(name: str = "tiny", seed: int = 0) -> nn.Module:
     model = GPT(cfg)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if pname.endswith("bias"):
-                p.zero_()
-            elif ".ln" in pname or pname.startswith("ln_f"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+            p.copy_(initial_value(pname, p.shape, gen))
     return model
+
+
+def initial_value(pname: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    """The lab's GPT's initial value of parameter `pname` (float32, CPU): biases 0, LayerNorm weights 1, the
+    rest normal(0, 0.02) drawn from `gen`, one parameter after another in `named_parameters` order."""
+    if pname.endswith("bias"):
+        return torch.zeros(shape)
+    if ".ln" in pname or pname.startswith("ln_f"):
+        return torch.ones(shape)
+    return torch.empty(shape).normal_(0.0, 0.02, generator=gen)
 
 
 @functools.cache

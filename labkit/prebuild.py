@@ -79,7 +79,7 @@ class OpStatus:
 class Toolchain:
     """What decides which ops this node needs and can build (`toolchain()` reads it; tests make it up)."""
 
-    gpus: int | None  # CUDA devices visible here (`cluster.visible_gpus`); None: some, uncounted
+    gpus: int | None  # CUDA devices visible here (`placement.visible_gpus`); None: some, uncounted
     torch_cuda: str | None  # the CUDA release torch was built for ("12.8"); None for a CPU build
     cuda_home: str | None  # the toolkit torch's cpp_extension (and so DeepSpeed) compiles with
     nvcc_release: str | None  # "12.8" from `$CUDA_HOME/bin/nvcc -V`; None when it does not run
@@ -148,10 +148,10 @@ def toolchain() -> Toolchain:
     import torch
     import torch.utils.cpp_extension as cpp
 
-    from labkit import cluster
+    from labkit.placement import visible_gpus
 
     return Toolchain(
-        gpus=cluster.visible_gpus(),
+        gpus=visible_gpus(),
         torch_cuda=torch.version.cuda,
         cuda_home=cpp.CUDA_HOME,
         nvcc_release=nvcc_release(cpp.CUDA_HOME),

@@ -17,7 +17,7 @@ import pytest
 from test_grading import answer_checks, labkit_cli, lock_entry, read
 
 from labkit.grading.checks import ex07_capstone as capstone
-from labkit.grading.checks import judge_all, load, submission_seed
+from labkit.grading.kit import judge_all, load, submission_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "07_capstone.ipynb"

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.cluster import LaunchError, LaunchTimeout, max_ranks, rank_limit
+from labkit.cluster import LaunchError, LaunchTimeout
+from labkit.placement import max_ranks, rank_limit
 
 PY = sys.executable
 

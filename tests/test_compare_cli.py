@@ -194,7 +194,7 @@ def test_each_engine_gets_the_options_it_honours_and_an_option_none_honours_is_r
 
 
 # Which engine runs each option on its own ranks (a cfg.options key, or a RunConfig setting that only some
-# engines read: loop.SETTING_FLAGS).
+# engines read: loop.ENGINE_SETTINGS).
 HONOURS = {
     ("options", "hsdp_shard_size", 2): {"scratch", "fsdp1", "fsdp2"},
     ("options", "zero_hpz_partition_size", 2): {"deepspeed"},
@@ -203,6 +203,7 @@ HONOURS = {
     ("settings", "offload", "nvme"): {"single", "deepspeed"},
     ("settings", "offload", "cpu"): {"single", "scratch", "fsdp2", "deepspeed"},  # fsdp1's needs CUDA ranks
     ("settings", "prefetch", False): {"single", "scratch", "fsdp1", "fsdp2"},
+    ("settings", "prefetch_depth", 2): {"single", "scratch", "fsdp2"},  # FSDP1 prefetches one unit ahead
     ("settings", "reshard_after_forward", False): {"single", "scratch", "fsdp1", "fsdp2"},
 }
 

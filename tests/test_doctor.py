@@ -279,7 +279,7 @@ def test_on_this_machine_the_doctor_plans_what_it_reports(cli_json):
 def test_the_doctor_says_where_each_notebooks_ranks_run(gpus, monkeypatch):
     """A made-up CPU-only, 1-GPU and 8-GPU server: NCCL needs one GPU per rank, so a notebook is on GPUs only
     where the server has at least its ranks; on a machine with no GPU, CPU ranks are no shortfall."""
-    monkeypatch.setattr(cluster, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr("labkit.placement.visible_gpus", lambda: gpus)
     report = doctor.diagnose(smoke=False)
     needs = {n.notebook: n.ranks for n in classroom.notebook_needs()}
     rows = {r["notebook"]: r for r in report["notebooks"]}

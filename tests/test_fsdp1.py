@@ -180,7 +180,7 @@ def test_fsdp1_hybrid_shard_matches_single_and_its_plan():
     [
         ({"offload": "nvme"}, "DeepSpeed's ZeRO-Infinity"),
         ({"options": {"reshard_after_forward": 2}}, "partial resharding is FSDP2's"),
-        ({"options": {"prefetch_depth": 2}}, "FSDP1 prefetches one unit ahead"),
+        ({"prefetch_depth": 2}, "FSDP1 prefetches one unit ahead"),
         ({"options": {"zero_hpz_partition_size": 2}}, "no such setting"),
         ({"options": {"hsdp_shard_size": 3}}, "hsdp_shard_size=3: pass a number of ranks that divides"),
         (

@@ -59,9 +59,9 @@ def expected_prefetch(cfg: RunConfig, n_blocks: int) -> dict[str, list[list[int]
     """The prefetch lists the engine documents, as `prefetch_lists` returns them.
 
     Block i gathers the next `prefetch_depth` blocks in forward and the previous ones, nearest first, in
-    backward; with prefetch=False none are set (FSDP2's defaults).
+    backward; with prefetch=False (depth 0) none are set (FSDP2's defaults).
     """
-    depth = cfg.options.get("prefetch_depth", 1) if cfg.prefetch else 0
+    depth = cfg.prefetch_depth
     return {
         "forward": [list(range(i + 1, min(n_blocks, i + 1 + depth))) for i in range(n_blocks)],
         "backward": [list(range(i - 1, max(-1, i - 1 - depth), -1)) for i in range(n_blocks)],
@@ -80,7 +80,7 @@ CASES = {
     4: {
         "default": {},
         "reshard_to_2": {"options": {"reshard_after_forward": 2}},
-        "prefetch_2": {"options": {"prefetch_depth": 2}},
+        "prefetch_2": {"prefetch_depth": 2},
     },
 }
 

@@ -16,9 +16,9 @@ from torch.overrides import TorchFunctionMode
 
 import labkit
 from labkit import cluster, prebuild
-from labkit.cluster import CPU_BACKEND, GPU_BACKEND, Placement, choose_placement
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
+from labkit.placement import CPU_BACKEND, GPU_BACKEND, Placement, choose_placement
 from labkit.zero import ShardedAdamW
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,18 +59,18 @@ def test_one_device_kind_can_be_asked_for_and_an_impossible_one_is_refused_in_on
 
 def test_a_comparison_on_a_1_gpu_hub_puts_single_on_cpu_too(monkeypatch):
     """`single` is one rank, which alone would take the GPU; the comparison's world size decides for it."""
-    monkeypatch.setattr(cluster, "visible_gpus", lambda: 1)
+    monkeypatch.setattr("labkit.placement.visible_gpus", lambda: 1)
     assert cluster.placement(1).device_type == "cuda"
     assert loop.comparison_device_type(RunConfig(world_size=2)) == "cpu"
     assert loop.comparison_device_type(RunConfig(world_size=1)) == "cuda"
-    monkeypatch.setattr(cluster, "visible_gpus", lambda: 4)
+    monkeypatch.setattr("labkit.placement.visible_gpus", lambda: 4)
     assert loop.comparison_device_type(RunConfig(world_size=4)) == "cuda"
 
 
 def test_run_launches_single_with_the_comparisons_device_kind(monkeypatch):
     """A pretend 1-GPU hub in the parent: run("single") at world_size 2 must start a CPU rank (spawned, as
     with a GPU present). Had it picked the GPU placement, the rank would call CUDA and fail on this build."""
-    monkeypatch.setattr(cluster, "visible_gpus", lambda: 1)
+    monkeypatch.setattr("labkit.placement.visible_gpus", lambda: 1)
     record = loop.run("single", RunConfig(world_size=2, steps=1))
     assert set(record["state_bytes_by_device"]) == {"cpu"}
     with pytest.raises(ValueError, match="device_type='cuda' for 2 ranks"):

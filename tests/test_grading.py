@@ -26,7 +26,7 @@ import pytest
 from labkit import KERNEL_NAME
 from labkit.cli import main
 from labkit.grading import exercises, extract, grader, integrity, locks, ranks, report, sandbox
-from labkit.grading.checks import Check, judge_all, load, probe_one, submission_seed
+from labkit.grading.kit import Check, judge_all, load, probe_one, submission_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
@@ -67,15 +67,15 @@ EX01 = ROOT / "exercises" / "01_memory.ipynb"
 FAKE_REPORT = '{"exercise": "ex01_memory", "status": "graded", "score": 6, "max_score": 6, "checks": []}'
 
 MONKEYPATCH = """
-import labkit.grading.checks as checks
+import labkit.grading.kit as kit
 import labkit.grading.feedback as feedback
 import labkit.grading.report as report
 
-checks.judge_all = lambda *a, **k: [{"name": "all", "points": 6, "max_points": 6, "passed": True, "feedback": ""}]
-checks.tally = lambda cases: (1.0, "patched")
-checks.close = lambda *a, **k: True
+kit.judge_all = lambda *a, **k: [{"name": "all", "points": 6, "max_points": 6, "passed": True, "feedback": ""}]
+kit.tally = lambda cases: (1.0, "patched")
+kit.close = lambda *a, **k: True
 report.build = lambda *a, **k: {"score": 6}
-for c in checks.load("ex01_memory").checks:
+for c in kit.load("ex01_memory").checks:
     object.__setattr__(c, "judge", lambda observation, seed: (1.0, "patched"))
 feedback.check = lambda *a, **k: print("Memory arithmetic per strategy: 6/6 (patched)")
 
@@ -970,7 +970,7 @@ def test_check_in_the_students_kernel_says_what_to_run_again_after_a_restart(cap
 def test_wrong_values_of_the_right_shape_are_diagnosed_not_only_measured():
     import torch
 
-    from labkit.grading.checks import tensor_mismatch
+    from labkit.grading.kit import tensor_mismatch
 
     def seen(t):
         return {"shape": list(t.shape), "values": t.flatten().tolist()}
@@ -998,7 +998,7 @@ def test_wrong_values_of_the_right_shape_are_diagnosed_not_only_measured():
 
 def test_a_probes_timeout_keeps_what_each_rank_was_doing():
     from labkit.cluster import LaunchTimeout
-    from labkit.grading.checks import probe_error
+    from labkit.grading.kit import probe_error
 
     stuck = LaunchTimeout(
         "the 3 ranks did not finish within timeout=5 s and were stopped; what each was doing:\n"

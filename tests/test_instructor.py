@@ -27,9 +27,9 @@ from packaging.version import Version
 
 from labkit import budget, classroom, doctor, release, slides
 from labkit.cli import build_parser, main
-from labkit.cluster import RANK_BYTES_ESTIMATE, RANKS_PER_CORE
 from labkit.limits import read_limits
 from labkit.model import build_model, count_params
+from labkit.placement import RANK_BYTES_ESTIMATE, RANKS_PER_CORE
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "instructor.md"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import labkit
-from labkit import cluster, limits
+from labkit import cluster, limits, placement
 from labkit.engines.base import RunConfig
 from labkit.engines.loop import validate
 
@@ -145,7 +145,7 @@ def _rank() -> int:
 
 def test_fake_cgroup_changes_max_ranks(tmp_path, monkeypatch):
     root = _v2_tree(tmp_path)
-    monkeypatch.setattr(cluster, "read_limits", lambda: limits.read_limits(root, environ={}))
+    monkeypatch.setattr(placement, "read_limits", lambda: limits.read_limits(root, environ={}))
     # 1.5 CPUs x 4 = 6 ranks; 1.5 GB free // 500 MiB = 2 ranks: memory decides.
     assert cluster.RANKS_PER_CORE == 4 and cluster.RANK_BYTES_ESTIMATE == 500 * 2**20
     assert cluster.max_ranks("cpu") == 2
@@ -157,7 +157,7 @@ def test_fake_cgroup_changes_max_ranks(tmp_path, monkeypatch):
     ):
         labkit.launch(_rank, 3, device_type="cpu")
     monkeypatch.setattr(
-        cluster, "read_limits", lambda: limits.read_limits(root, environ={"CPU_LIMIT": "0.25"})
+        placement, "read_limits", lambda: limits.read_limits(root, environ={"CPU_LIMIT": "0.25"})
     )
     assert cluster.rank_limit("cpu") == (1, "the CPU limit CPU_LIMIT=0.25 CPUs allows 1 cpu rank (4 per CPU)")
 

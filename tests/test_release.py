@@ -236,7 +236,7 @@ def _namespace(notebook: Path, replace: dict[str, str] | None = None) -> dict:
 
 def _public_results(exercise_id: str, ns: dict) -> list[bool]:
     from labkit.grading import public
-    from labkit.grading.checks import judge_all, probe_all
+    from labkit.grading.kit import judge_all, probe_all
 
     exercise = public.load(exercise_id, exercise_id)
     return [e["passed"] for e in judge_all(exercise, probe_all(exercise, ns, 0), 0)]

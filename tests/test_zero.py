@@ -425,10 +425,9 @@ def test_options_the_scratch_engine_does_not_implement_are_refused_in_one_senten
     )
     with pytest.raises(ValueError, match="hsdp_shard_size=3: pass a number of ranks that divides"):
         validate(["scratch"], RunConfig(world_size=4, options={"hsdp_shard_size": 3}))
-    with pytest.raises(
-        ValueError, match="prefetch_depth=0: the scratch engine gathers a whole number of units"
-    ):
-        validate(["scratch"], RunConfig(world_size=2, options={"prefetch_depth": 0}))
+    validate(["scratch"], RunConfig(world_size=2, prefetch_depth=0))  # no prefetch, as prefetch=False
+    with pytest.raises(ValueError, match="prefetch_depth=-1: pass a whole number of units, 0 or more"):
+        validate(["scratch"], RunConfig(world_size=2, prefetch_depth=-1))
 
 
 # ------------------------------------------------------------------------------------------ the split root

@@ -14,11 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 from labkit.cli import UsageError
 from labkit.engines import ENGINES
+from labkit.engines.run_config import DEFAULTS, SETTINGS, RunConfig, Setting
 
 
 def _engine_list(text: str) -> list[str]:
@@ -48,6 +51,38 @@ def _positive(convert: Callable[[str], float], what: str, hint: str) -> Callable
 
 _positive_int = _positive(int, "a whole number", "1 or more")
 _positive_float = _positive(float, "a number", "a value above 0, e.g. 1.0")
+# The flags that take a value, by setting: a `RunConfig` sentence names `setting=value`, the user typed these.
+_VALUE_FLAGS = {name: s.flag for name, s in SETTINGS.items() if s.flag and s.kind != "switch"}
+
+
+def _flag_type(setting: Setting) -> Callable[[str], object] | None:
+    """The argparse type of a setting's flag: a count of 1 or more and a rate checked as argparse errors; a
+    model's name stays text (`RunConfig` checks it) and a choice is argparse's `choices`."""
+    if setting.kind == "count":
+        return _positive_int if setting.low == 1 else int
+    return _positive_float if setting.kind == "rate" else None
+
+
+def _add_setting_flag(parser: argparse.ArgumentParser, name: str, setting: Setting) -> None:
+    """The flag of one `RunConfig` setting: its default, choices and help from the schema.
+
+    A switch's flag turns it off; `--world-size` defaults to None (2, or the launcher's WORLD_SIZE: `run`).
+    """
+    if setting.kind == "switch":
+        help = setting.flag_help or setting.help
+        parser.add_argument(setting.flag, dest=name, action="store_false", default=DEFAULTS[name], help=help)
+        return
+    kwargs = {"choices": setting.choices} if setting.choices else {"type": _flag_type(setting)}
+    default, help = DEFAULTS[name], setting.help
+    if name == "world_size":
+        default, help = None, f"{help} (default {default}; under torchrun: the launcher's WORLD_SIZE)"
+    parser.add_argument(setting.flag, dest=name, default=default, help=help, **kwargs)
+
+
+def _flagged(message: object) -> str:
+    """A `RunConfig` sentence with each `setting=value` written as the flag the user typed: `--flag value`."""
+    pattern = r"\b(" + "|".join(_VALUE_FLAGS) + r")="
+    return re.sub(pattern, lambda m: f"{_VALUE_FLAGS[m.group(1)]} ", str(message))
 
 
 def register(subparsers) -> None:
@@ -65,25 +100,9 @@ def register(subparsers) -> None:
         default=["single", "ddp"],
         help=f"engines to compare, comma-separated, from {','.join(ENGINES)}",
     )
-    p.add_argument(
-        "--world-size",
-        type=_positive_int,
-        default=None,
-        help="ranks of the multi-rank engines (default 2; under torchrun: the launcher's WORLD_SIZE)",
-    )
-    p.add_argument("--steps", type=_positive_int, default=5)
-    p.add_argument("--model", default="tiny", help="a model of labkit.model.CONFIGS, e.g. tiny")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--no-prefetch", action="store_true", help="sharded engines: no all-gather ahead of use")
-    p.add_argument(
-        "--offload",
-        choices=("none", "cpu", "nvme"),
-        default="none",
-        help="optimizer state on the host (cpu) or, deepspeed only, in swap files (nvme)",
-    )
-    p.add_argument(
-        "--link-gbytes", type=_positive_float, default=None, help="emulated link of X GB/s per rank"
-    )
+    for name, setting in SETTINGS.items():
+        if setting.flag:
+            _add_setting_flag(p, name, setting)
     p.add_argument(
         "--hsdp",
         type=_positive_int,
@@ -104,7 +123,6 @@ def register(subparsers) -> None:
         help="deepspeed: ZeRO++ hpZ, a secondary weight partition over RANKS ranks (default: one node's) "
         "for the backward all-gather",
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--timeout", type=_positive_float, default=300.0, help="seconds per engine before giving up"
     )
@@ -155,8 +173,6 @@ def run(args: argparse.Namespace) -> int:
     from labkit.budget import load_machine_profile
     from labkit.cluster import launcher_world_size, rank_limit
     from labkit.engines import loop
-    from labkit.engines.base import RunConfig
-    from labkit.model import CONFIGS
     from labkit.tables import compare_table
 
     try:
@@ -170,22 +186,16 @@ def run(args: argparse.Namespace) -> int:
             f"labkit compare: --world-size {args.world_size} but the launcher started {launched} ranks "
             f"(nodes x ranks per node); pass --world-size {launched} or leave it out"
         )
-    args.world_size = args.world_size or launched or 2
-    if args.model not in CONFIGS:
-        raise UsageError(
-            f"labkit compare: --model {args.model!r} is unknown; choose from {', '.join(CONFIGS)}"
-        )
-    global_batch = CONFIGS[args.model].global_batch
-    if global_batch % args.world_size:
-        divisors = ", ".join(str(d) for d in range(1, global_batch + 1) if global_batch % d == 0)
-        raise UsageError(
-            f"labkit compare: --world-size {args.world_size} does not divide the global batch of "
-            f"{global_batch} sequences of model {args.model!r}; pass one of {divisors}"
-        )
+    settings = {name: getattr(args, name) for name, s in SETTINGS.items() if s.flag}
+    settings["world_size"] = args.world_size or launched or DEFAULTS["world_size"]
+    try:
+        cfg = RunConfig(**settings)
+    except ValueError as e:
+        raise UsageError(f"labkit compare: {_flagged(e)}") from None
     limit, why = rank_limit()
-    if launched is None and args.world_size > limit and any(not ENGINES[e].single_rank for e in args.engines):
+    if launched is None and cfg.world_size > limit and any(not ENGINES[e].single_rank for e in args.engines):
         raise UsageError(
-            f"labkit compare: --world-size {args.world_size} but {why}; pass --world-size <= {limit}"
+            f"labkit compare: --world-size {cfg.world_size} but {why}; pass --world-size <= {limit}"
         )
     missing = [e for e in args.engines if e not in loop.available_engines()]
     if missing:
@@ -194,23 +204,13 @@ def run(args: argparse.Namespace) -> int:
             f"(no labkit/engines/{missing[0]}.py); available: {','.join(loop.available_engines())}"
         )
     options = {}
-    shard = _group_size("--hsdp", args.hsdp, args.world_size)
+    shard = _group_size("--hsdp", args.hsdp, cfg.world_size)
     if shard is not None:
         options["hsdp_shard_size"] = shard
-    hpz = _group_size("--hpz", args.hpz, args.world_size)
+    hpz = _group_size("--hpz", args.hpz, cfg.world_size)
     if hpz is not None:
         options["zero_hpz_partition_size"] = hpz
-    cfg = RunConfig(
-        model=args.model,
-        world_size=args.world_size,
-        steps=args.steps,
-        dtype=args.dtype,
-        seed=args.seed,
-        prefetch=not args.no_prefetch,
-        offload=args.offload,
-        link_gbytes=args.link_gbytes,
-        options=options,
-    )
+    cfg = replace(cfg, options=options)
     speaks = launched is None or int(os.environ.get("RANK", "0")) == 0  # under a launcher: rank 0 only
 
     def progress(name: str, record: dict, wall_s: float) -> None:

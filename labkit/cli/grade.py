@@ -31,6 +31,13 @@ def register(subparsers) -> None:
         default=None,
         help="gradebook CSV: a folder's, or, with one submission, the gradebook whose row it updates",
     )
+    _add_run_flags(p)
+    _add_class_flags(p)
+    p.set_defaults(func=run)
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """How each submission runs: its limits, the seed of its cases, the sandbox."""
     p.add_argument(
         "--timeout",
         metavar="SECONDS",
@@ -74,6 +81,10 @@ def register(subparsers) -> None:
         help="run submissions in a bubblewrap sandbox: read-only system, no network, no other files "
         "(default auto: where bwrap works)",
     )
+
+
+def _add_class_flags(p: argparse.ArgumentParser) -> None:
+    """What a folder is graded as: its exercise, the class roster, student ids, the deadline, Canvas's CSV."""
     p.add_argument(
         "--exercise",
         metavar="ID",
@@ -111,7 +122,6 @@ def register(subparsers) -> None:
         default=None,
         help="the Canvas assignment column (default: the exercise's title)",
     )
-    p.set_defaults(func=run)
 
 
 def _positive(value: float | None, flag: str, example: str) -> None:
@@ -263,7 +273,7 @@ def _canvas(args, rows, roster, exercise_id: str | None) -> None:
     if not args.canvas:
         return
     from labkit.grading import report
-    from labkit.grading.checks import load
+    from labkit.grading.kit import load
 
     title = args.canvas_assignment or (load(exercise_id).title if exercise_id else "labkit exercise")
     report.write_canvas([r for r in rows if r.get("student")], roster, Path(args.canvas), title)

@@ -8,36 +8,14 @@ collectives from outside, so every engine is measured the same way.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from labkit.engines import ENGINES  # noqa: F401 (the names, re-exported beside the protocol)
+from labkit.engines.run_config import RunConfig  # the schema of a run, torch-free for the CLI
 from labkit.model import loss_fn
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """One comparison run. The same config gives every engine the same model, seed, batches and AdamW."""
-
-    model: str = "tiny"
-    world_size: int = 2
-    steps: int = 5
-    dtype: str = "float32"  # "float32" or "bfloat16" (compute dtype; master weights stay float32)
-    seed: int = 0
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    prefetch: bool = True
-    reshard_after_forward: bool = True
-    offload: str = "none"  # "none", "cpu" (optimizer state on the host) or "nvme" (deepspeed: in files)
-    link_gbytes: float | None = None  # emulated link bandwidth (GB/s, 1 GB = 1e9 B); None: no emulation
-    options: dict[str, Any] = field(default_factory=dict)  # engine-specific extras, documented per engine
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -49,6 +27,11 @@ class RankInfo:
     local_rank: int
     device: torch.device  # cpu for gloo ranks, cuda:<local_rank> for NCCL ranks
     backend: str  # "gloo" or "nccl"
+
+
+def compute_dtype(cfg: RunConfig) -> torch.dtype:
+    """The torch dtype `cfg.dtype` names (its choices are torch's own names)."""
+    return getattr(torch, cfg.dtype)
 
 
 def adamw(params, cfg: RunConfig) -> torch.optim.AdamW:

@@ -224,7 +224,7 @@ def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) ->
         )
     zero = ds_config(cfg, world_size)["zero_optimization"]
     threshold = zero_knob(zero, "stage3_param_persistence_threshold")
-    elem_bytes = 2 if cfg.dtype == "bfloat16" else 4
+    elem_bytes = cfg.compute_bytes
     numels = [p.numel() for p in model.parameters()]
     part = sum(padded_flat_numel(numel, world_size) // world_size for numel in numels)
     terms = {
@@ -307,7 +307,7 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
     """Per rank per step (steady state), the all-gather and reduce-scatter wire bytes of the engine's config
     (`ds_config`) for `cfg`: `zero3_wire_bytes` of its `zero_optimization` section, in the run's dtype."""
     zero = ds_config(cfg, world_size)["zero_optimization"]
-    return zero3_wire_bytes(model, zero, world_size, 2 if cfg.dtype == "bfloat16" else 4)
+    return zero3_wire_bytes(model, zero, world_size, cfg.compute_bytes)
 
 
 def zero3_wire_bytes(

@@ -23,7 +23,6 @@ from typing import Any
 
 from labkit.engines.base import RunConfig
 from labkit.model import build_model
-from labkit.model import config as model_config
 
 # The four ZeRO-3 knobs `mode="fair"` sets, each in parameter elements, and why.
 FAIR_ZERO3_KNOBS: dict[str, int] = {
@@ -86,7 +85,6 @@ OPTIONS = (
     "activation_checkpointing",
 )
 MODES = ("fair", "defaults")
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 def block_numel(model: str) -> int:
@@ -250,17 +248,9 @@ def ds_config(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, 
         raise ValueError(
             f"ds_mode={mode!r}: choose 'fair' (formula-faithful knobs) or 'defaults' (DeepSpeed's)"
         )
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype={cfg.dtype!r}: the deepspeed engine runs 'float32' or 'bfloat16'")
     if cfg.options.get("activation_checkpointing"):
         raise ValueError(ACTIVATION_CHECKPOINTING_REFUSAL)
-    if cfg.offload not in OFFLOAD_DEVICES:
-        raise ValueError(f"offload={cfg.offload!r}: the deepspeed engine offloads to 'none', 'cpu' or 'nvme'")
-    global_batch = model_config(cfg.model).global_batch
-    if global_batch % world_size:
-        raise ValueError(
-            f"world_size={world_size} does not divide the global batch of {global_batch} sequences"
-        )
+    per_rank = cfg.sequences_per_rank(world_size)  # the one check that world_size divides the batch
     zero: dict[str, Any] = {"stage": 3}
     if mode == "fair":
         zero.update(FAIR_ZERO3_KNOBS)
@@ -276,8 +266,8 @@ def ds_config(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, 
         zero["zero_hpz_partition_size"] = hpz_node_size(world_size)
     zero.update(cfg.options.get("zero_overrides") or {})
     return {
-        "train_batch_size": global_batch,
-        "train_micro_batch_size_per_gpu": global_batch // world_size,
+        "train_batch_size": per_rank * world_size,
+        "train_micro_batch_size_per_gpu": per_rank,
         "gradient_accumulation_steps": 1,
         # DeepSpeed 0.19 clips the global gradient norm to 1.0 unless told otherwise; `single` and the other
         # engines do not clip, and the lab's first gradients have norm ~1.3, so clipping would bend the curve.

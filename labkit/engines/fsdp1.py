@@ -20,7 +20,7 @@ Choices, from `RunConfig` and `cfg.options` (anything else is refused, never ign
   the order recorded in step 0) and `backward_prefetch=BACKWARD_PRE` (block i's pre-backward issues block
   i-1's all-gather before block i's gradients are computed). False sets `forward_prefetch=False` and
   `backward_prefetch=None`: no prefetch at all (FSDP1, unlike FSDP2, can switch both off). FSDP1 prefetches
-  one unit ahead, so `options["prefetch_depth"]` other than 1 is refused. On gloo CPU ranks the gathers
+  one unit ahead, so `cfg.prefetch_depth` above 1 is refused. On gloo CPU ranks the gathers
   are synchronous and FSDP1's streams are no-ops: prefetch moves when a gather is issued, it hides nothing.
 - `cfg.dtype == "bfloat16"`: `MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)`: the shard is cast to bf16
   before the all-gather, compute is bf16, gradients are reduce-scattered in fp32 into the fp32 master shard.
@@ -65,7 +65,7 @@ from labkit.model import block_class
 from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, in_categories
 
 NAME = "fsdp1"
-OPTIONS = ("hsdp_shard_size", "prefetch_depth", "reshard_after_forward")  # the cfg.options keys it honours
+OPTIONS = ("hsdp_shard_size", "reshard_after_forward")  # the cfg.options keys it honours
 
 
 def check(cfg: RunConfig, world_size: int, device_type: str | None = None) -> int:
@@ -79,9 +79,7 @@ def check(cfg: RunConfig, world_size: int, device_type: str | None = None) -> in
             f"options {unknown}: the fsdp1 engine has no such setting (zero_hpz_partition_size, --hpz, is "
             f"DeepSpeed's ZeRO++ hpZ: run it without fsdp1); fsdp1 takes {', '.join(OPTIONS)}"
         )
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype={cfg.dtype!r}: the fsdp1 engine runs 'float32' or 'bfloat16'")
-    if cfg.offload not in ("none", "cpu"):
+    if cfg.offload == "nvme":
         raise ValueError(
             f"offload={cfg.offload!r}: FSDP1 offloads to the host only ('cpu', on CUDA ranks); "
             "NVMe is DeepSpeed's ZeRO-Infinity"
@@ -91,10 +89,10 @@ def check(cfg: RunConfig, world_size: int, device_type: str | None = None) -> in
             f"reshard_after_forward={cfg.options['reshard_after_forward']!r}: FSDP1 reshards to all ranks "
             "(True, FULL_SHARD) or not at all (False, SHARD_GRAD_OP); partial resharding is FSDP2's"
         )
-    if cfg.options.get("prefetch_depth", 1) != 1:
+    if cfg.prefetch_depth > 1:
         raise ValueError(
-            f"prefetch_depth={cfg.options['prefetch_depth']!r}: FSDP1 prefetches one unit ahead; pass 1, "
-            "or prefetch=False for none"
+            f"prefetch_depth={cfg.prefetch_depth}: FSDP1 prefetches one unit ahead; run the fsdp1 engine with "
+            "prefetch_depth=1, or prefetch=False for none"
         )
     if cfg.offload == "cpu" and device_type == "cpu":
         raise ValueError(
@@ -223,7 +221,7 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
     across the world_size / s replicas.
     """
     s = check(cfg, world_size)
-    param_bytes = 2 if cfg.dtype == "bfloat16" else 4
+    param_bytes = cfg.compute_bytes
     replicas = world_size // s
     gathered, reduced, all_reduced = 0, 0, 0
     for i, numel in enumerate(unit_numels(model)):

@@ -9,9 +9,8 @@ Options, from `RunConfig` and `cfg.options` (keys below):
 - `cfg.reshard_after_forward` (bool) or `options["reshard_after_forward"]` (bool or int, the group size to
   reshard to after forward, a proper divisor of the world size) for every block. The root group keeps
   FSDP2's own default: it stays gathered from forward to backward, because backward starts with it.
-- `cfg.prefetch`: True sets explicit prefetch, each block all-gathering the next
-  `options["prefetch_depth"]` blocks (default 1) in forward and the previous ones in backward. False
-  leaves FSDP2's defaults: no forward prefetch, and the implicit one-block backward prefetch, which FSDP2
+- `cfg.prefetch`: True sets explicit prefetch, each block all-gathering the next `cfg.prefetch_depth`
+  blocks (default 1) in forward and the previous ones in backward. False (depth 0) leaves FSDP2's defaults: no forward prefetch, and the implicit one-block backward prefetch, which FSDP2
   has no switch to turn off (an empty prefetch list means "use the default").
 - `cfg.dtype == "bfloat16"`: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: bf16 weights
   are gathered and computed with, gradients reduce-scattered in fp32, the fp32 shard is the master copy.
@@ -56,19 +55,12 @@ from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, in_categories
 
 NAME = "fsdp2"
-OPTIONS = (
-    "hsdp_shard_size",
-    "prefetch_depth",
-    "reshard_after_forward",
-    "activation_checkpointing",
-)  # the cfg.options keys it honours
+OPTIONS = ("hsdp_shard_size", "reshard_after_forward", "activation_checkpointing")  # cfg.options it honours
 
 
 def shard_kwargs(cfg: RunConfig, mesh: DeviceMesh) -> dict[str, Any]:
     """The `fully_shard` keywords shared by every group: mesh, mixed precision and offload policies."""
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype={cfg.dtype!r}: the fsdp2 engine runs 'float32' or 'bfloat16'")
-    if cfg.offload not in ("none", "cpu"):
+    if cfg.offload == "nvme":
         raise ValueError(f"offload={cfg.offload!r}: the fsdp2 engine offloads to 'none' or 'cpu'")
     mp_policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -119,7 +111,7 @@ def shard_model(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh) -> FSDPModul
         fully_shard(block, reshard_after_forward=reshard, **common)
     fully_shard(model, **common)
     if cfg.prefetch:
-        set_explicit_prefetch(model, int(cfg.options.get("prefetch_depth", 1)))
+        set_explicit_prefetch(model, cfg.prefetch_depth)
     return model  # type: ignore[return-value]
 
 
@@ -203,7 +195,7 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
     s), and each group's fp32 gradient shard is all-reduced across the world_size / s replicas.
     """
     n = hsdp_shard_size(cfg, world_size)
-    param_bytes = 2 if cfg.dtype == "bfloat16" else 4
+    param_bytes = cfg.compute_bytes
     reshard = block_reshard(cfg, n)
     block_ids = {id(p) for b in model.blocks for p in b.parameters()}
     groups = [list(b.parameters()) for b in model.blocks]

@@ -42,7 +42,8 @@ import torch.distributed as dist
 import labkit
 from labkit import cluster
 from labkit.engines.base import ENGINES, Engine, RankInfo, RunConfig
-from labkit.model import batch, build_model, config, count_params
+from labkit.engines.run_config import SETTINGS
+from labkit.model import batch, build_model, count_params
 from labkit.probes import Probes, state_bytes, state_bytes_by_device
 
 TIMELINE_STEPS = 2  # the last steps whose events `run` keeps
@@ -82,7 +83,11 @@ def ranks_for(engine: str, cfg: RunConfig) -> int:
 
 
 def validate(engines: Sequence[str], cfg: RunConfig) -> None:
-    """Raise ValueError, one sentence naming the argument, for anything the run could not do."""
+    """Raise ValueError, one sentence naming the argument, for anything these engines could not do under `cfg`.
+
+    The settings themselves were checked when `cfg` was built (`RunConfig`); here: the engines, and what
+    each engine makes of the settings and options.
+    """
     for name in engines:
         if not isinstance(name, str):
             if not callable(getattr(name, "build", None)):
@@ -97,29 +102,10 @@ def validate(engines: Sequence[str], cfg: RunConfig) -> None:
                 f"engine {name!r} is not implemented yet (no labkit/engines/{name}.py); "
                 f"available: {', '.join(available_engines())}"
             )
-    model_cfg = config(cfg.model)
-    if not isinstance(cfg.world_size, int) or cfg.world_size < 1:
-        raise ValueError(f"world_size={cfg.world_size!r}: pass a whole number of ranks, 1 or more")
-    if model_cfg.global_batch % cfg.world_size:
-        divisors = [d for d in range(1, model_cfg.global_batch + 1) if model_cfg.global_batch % d == 0]
-        raise ValueError(
-            f"world_size={cfg.world_size} does not divide the global batch of {model_cfg.global_batch} "
-            f"sequences of model {cfg.model!r}; pass one of {', '.join(map(str, divisors))}"
-        )
-    if not isinstance(cfg.steps, int) or cfg.steps < 1:
-        raise ValueError(f"steps={cfg.steps!r}: pass 1 or more steps")
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype={cfg.dtype!r}: pass 'float32' or 'bfloat16'")
-    if cfg.offload not in ("none", "cpu", "nvme"):
-        raise ValueError(f"offload={cfg.offload!r}: pass 'none', 'cpu' or 'nvme'")
     if cfg.offload == "nvme" and any(e != "deepspeed" and not single_rank(e) for e in engines):
         raise ValueError(
             "offload='nvme' is DeepSpeed's ZeRO-Infinity: only the deepspeed engine swaps to files; "
             "run the others with offload='cpu'"
-        )
-    if cfg.link_gbytes is not None and not cfg.link_gbytes > 0:
-        raise ValueError(
-            f"link_gbytes={cfg.link_gbytes!r}: pass a bandwidth above 0 GB/s, or None for no link"
         )
     check_options([e for e in engines if isinstance(e, str)], cfg)
 
@@ -151,9 +137,8 @@ def check_options(engines: Sequence[str], cfg: RunConfig) -> None:
         )
 
 
-# The RunConfig settings that only some engines read (each registry row's `settings`), with the flag of
-# `labkit compare` that sets each away from its default.
-SETTING_FLAGS = {"prefetch": "--no-prefetch", "reshard_after_forward": None, "offload": "--offload"}
+# The RunConfig settings that only some engines read: those a registry row names, in the schema's order.
+ENGINE_SETTINGS = tuple(s for s in SETTINGS if any(s in spec.settings for spec in ENGINES.values()))
 
 
 def check_settings(engines: Sequence[str], cfg: RunConfig) -> None:
@@ -161,13 +146,14 @@ def check_settings(engines: Sequence[str], cfg: RunConfig) -> None:
     reads (e.g. `offload="cpu"` for ddp alone), as `check_options` refuses an option. The oracle (`single`)
     takes any of them alone or beside an engine that reads them: none changes its arithmetic."""
     default = RunConfig()
-    for setting, flag in SETTING_FLAGS.items():
+    others = [e for e in engines if not single_rank(e)]
+    for setting in ENGINE_SETTINGS:
         value = getattr(cfg, setting)
-        if value == getattr(default, setting):
+        if value == getattr(default, setting) or not others:
             continue
-        others = [e for e in engines if not single_rank(e)]
-        if not others or any(setting in engine_settings(e) for e in others):
+        if any(setting in engine_settings(e) for e in others):
             continue
+        flag = SETTINGS[setting].flag
         readers = ", ".join(e for e in ENGINES if setting in engine_settings(e))
         raise ValueError(
             f"{setting}={value!r}{f' ({flag})' if flag else ''}: the engines of this run "
@@ -176,7 +162,7 @@ def check_settings(engines: Sequence[str], cfg: RunConfig) -> None:
 
 
 def engine_settings(name: str) -> tuple[str, ...]:
-    """The RunConfig settings of `SETTING_FLAGS` that engine `name` reads (its registry row's `settings`)."""
+    """The RunConfig settings of `ENGINE_SETTINGS` that engine `name` reads (its registry row's `settings`)."""
     return ENGINES[name].settings
 
 

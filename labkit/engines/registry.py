@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The RunConfig settings a sharded engine reads (the keys of `loop.SETTING_FLAGS`).
-SHARDED_SETTINGS = ("prefetch", "reshard_after_forward", "offload")
+# The RunConfig settings (`labkit.engines.run_config.SETTINGS`) that only a sharded engine reads.
+SHARDED_SETTINGS = ("prefetch", "prefetch_depth", "reshard_after_forward", "offload")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class EngineSpec:
     name: str
     module: str
     strategy: str
-    settings: tuple[str, ...] = ()  # the RunConfig settings of `loop.SETTING_FLAGS` it reads
+    settings: tuple[str, ...] = ()  # the RunConfig settings it reads that not every engine does
     single_rank: bool = False  # runs on one rank with the global batch (the oracle)
     checks: str = ""  # a module name; empty: `module`
 

@@ -1,8 +1,8 @@
 """The `scratch` engine: labkit's own ZeRO-3 (`labkit.zero`) driving the lab's model.
 
-Options from `RunConfig`: `prefetch`, `reshard_after_forward`, `dtype` ("bfloat16": bf16 gathered weights
-and compute, float32 gradient reduction, master shards and AdamW), `offload` ("cpu": the optimizer state
-in separate host buffers, see `labkit.zero.optimizer`). From `cfg.options` (anything else is refused by
+Settings from `RunConfig`: `prefetch` and `prefetch_depth` (units gathered ahead), `reshard_after_forward`,
+`dtype` ("bfloat16": bf16 gathered weights and compute, float32 gradient reduction, master shards and AdamW),
+`offload` ("cpu": the optimizer state in separate host buffers, see `labkit.zero.optimizer`). From `cfg.options` (anything else is refused by
 `check_run`, never ignored): `hsdp_shard_size` (int, or "node"), HSDP over shard groups of that many
 consecutive ranks, replicated across the others (`labkit.zero.hsdp`); `labkit compare --hsdp` sets it.
 `activation_checkpointing` (bool): each block wrapped in torch's non-reentrant `checkpoint_wrapper`
@@ -10,7 +10,7 @@ before `ZeRO3` shards it (`labkit.engines.activation_checkpointing`): `before_ba
 block, then autograd recomputes it; the bytes per step do not change. `split_root` (bool; default True for the
 lab's model, False for a model whose `units` are named): the root as an input unit (embeddings) and an output unit (final norm, head) kept gathered across the
 forward/backward turn (`labkit.zero.hooks`); False: one root, gathered for the whole forward and again for
-the whole backward. `prefetch_depth` (int, default 1): units gathered ahead.
+the whole backward.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from labkit.budget import UnitCost, collective_time_s, collective_wire_bytes, padded_numel
 from labkit.budget import exposed_floor as budget_floor
 from labkit.engines import activation_checkpointing
-from labkit.engines.base import RankInfo, RunConfig
+from labkit.engines.base import RankInfo, RunConfig, compute_dtype
 from labkit.model import loss_fn
 from labkit.probes.memory import STEP_SCALARS, in_categories
 from labkit.zero import ShardedAdamW, ZeRO3
@@ -32,13 +32,7 @@ from labkit.zero.hsdp import hsdp_groups
 from labkit.zero.units import INPUT, OUTPUT, UnitSpec
 
 NAME = "scratch"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-OPTIONS = (
-    "hsdp_shard_size",
-    "activation_checkpointing",
-    "split_root",
-    "prefetch_depth",
-)  # cfg.options it honours
+OPTIONS = ("hsdp_shard_size", "activation_checkpointing", "split_root")  # cfg.options it honours
 
 
 def check_run(cfg: RunConfig) -> None:
@@ -52,11 +46,6 @@ def check_run(cfg: RunConfig) -> None:
             f"options {unknown}: the scratch engine has no such setting{whose}; it takes {', '.join(OPTIONS)}"
         )
     shard_size(cfg, cfg.world_size)
-    depth = cfg.options.get("prefetch_depth", 1)
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise ValueError(
-            f"prefetch_depth={depth!r}: the scratch engine gathers a whole number of units ahead, 1 or more"
-        )
 
 
 def shard_size(cfg: RunConfig, world_size: int) -> int:
@@ -86,11 +75,11 @@ class ScratchEngine:
             group=groups.shard if groups else None,
             reshard_after_forward=cfg.reshard_after_forward,
             prefetch=cfg.prefetch,
-            compute_dtype=DTYPES[cfg.dtype],
+            compute_dtype=compute_dtype(cfg),
             units=units,
             replicate_group=groups.replicate if groups else None,
             split_root=split_root(cfg, units),
-            prefetch_depth=cfg.options.get("prefetch_depth", 1),
+            prefetch_depth=cfg.prefetch_depth or 1,  # ZeRO3 takes a depth of 1 or more, prefetch on or off
         )
         self.optimizer = ShardedAdamW(
             self.zero.trainable_shards(),
@@ -139,7 +128,7 @@ def unit_costs(model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpe
     embeddings: lookups) has no compute of its own to hide a collective behind.
     """
     g = shard_size(cfg, world_size)
-    compute_bytes = DTYPES[cfg.dtype].itemsize
+    compute_bytes = cfg.compute_bytes
     out = []
     for name, _, params in unit_plan(model, units, split_root(cfg, units)):  # `units` as the engine got them
         padded = sum(padded_numel(tuple(p.shape), g) for _, p in params)
@@ -205,15 +194,14 @@ def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) ->
 def exposed_floor(
     model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpec = None, machine: dict | None = None
 ) -> dict:
-    """`labkit.budget.exposed_floor` of this engine's unit plan at `options["prefetch_depth"]`; in seconds
-    too ("floor_s", "comm_s") when `cfg.link_gbytes` or a calibrated `machine` prices a collective."""
+    """`labkit.budget.exposed_floor` of this engine's unit plan at `cfg.prefetch_depth` (1 without prefetch: the
+    floor prefetch could reach); in seconds too ("floor_s", "comm_s") when `cfg.link_gbytes` or a calibrated
+    `machine` prices a collective."""
     seconds = None
     if cfg.link_gbytes or machine:
         g = shard_size(cfg, world_size)
         seconds = partial(collective_time_s, world_size=g, link_gbytes=cfg.link_gbytes, machine=machine)
-    return budget_floor(
-        unit_costs(model, cfg, world_size, units), cfg.options.get("prefetch_depth", 1), seconds
-    )
+    return budget_floor(unit_costs(model, cfg, world_size, units), cfg.prefetch_depth or 1, seconds)
 
 
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> ScratchEngine:

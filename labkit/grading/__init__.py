@@ -10,6 +10,7 @@ in a second, fresh process; the grader judges what came back against references 
     extract.py    the fresh answers process: pristine set-up + the student's answer cells, each under a limit,
                   then each group of probes in a forked child under its own limit
     ranks.py      a probe's ranks, with every collective on record: a mismatch said in one sentence
+    kit.py        what a check is (Check, Exercise), loading, probing and judging them, the checks' helpers
     checks/       one module per exercise: each check's probe and judge, edge cases first, seeded
     grader.py     one submission or a folder, start to end; the seed is derived and the score summed there
     report.py     the JSON report, the student's feedback page, the gradebook and Canvas's import CSV

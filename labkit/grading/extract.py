@@ -4,7 +4,7 @@ JOB (written by the grader) names the exercise, the seed, the time limits and th
 exercise's `parameters` and `setup` cells and the submission's `answer` cells, in notebook order. This process
 imports the check module first and runs each cell in one namespace, each under its own time limit (a cell that
 raises or runs past it is recorded, and the next one runs). Then each group of checks (see
-`labkit.grading.checks`) runs its probes in a forked child of its own, under the group's limit: a probe that
+`labkit.grading.kit`) runs its probes in a forked child of its own, under the group's limit: a probe that
 hangs, crashes or exhausts a resource costs only its own checks, and the report says where it was stopped.
 OUT gets the observations after every group. Nothing here is trusted: OUT is data for the grader's judges.
 """
@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 
 from labkit.grading import integrity
-from labkit.grading.checks import Check, group_limit_s, load, probe_one, set_deadline
+from labkit.grading.kit import Check, group_limit_s, load, probe_one, set_deadline
 from labkit.grading.sandbox import signal_name
 
 DEFAULT_CELL_LIMIT_S = 30.0

@@ -15,8 +15,8 @@ import secrets
 import nbformat
 
 from labkit.grading import integrity, kernel, public
-from labkit.grading.checks import Exercise, judge_all, load, probe_all
 from labkit.grading.exercises import exercise_dir, exercise_title, index
+from labkit.grading.kit import Exercise, judge_all, load, probe_all
 from labkit.grading.report import format_points
 
 

@@ -29,8 +29,8 @@ import nbformat
 
 import labkit
 from labkit.grading import exercises, integrity, locks, report, runner, sandbox
-from labkit.grading.checks import Exercise, group_limit_s, judge_all, load, submission_seed
 from labkit.grading.extract import DEFAULT_CELL_LIMIT_S
+from labkit.grading.kit import Exercise, group_limit_s, judge_all, load, submission_seed
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_MAX_PROCESSES = 1024  # tasks (threads count) per child, where a pids cgroup can be made

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from unittest import mock
 
-from labkit.grading.checks import Check, Exercise, answer, tally
+from labkit.grading.kit import Check, Exercise, answer, tally
 
 _LOCK = threading.Lock()
 DEMO_RANKS = 3  # the exercises' demonstrations run on 3 ranks

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from labkit.grading.checks import Diagnosis, TimedOut
+from labkit.grading.kit import Diagnosis, TimedOut
 
 _CELL_AT = re.compile(r"<cell (?P<cell>[^>]+)>:(?P<line>\d+) in (?P<func>\S+)")  # labkit.launch's "where"
 _SHAPE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")

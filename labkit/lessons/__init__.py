@@ -5,6 +5,8 @@
     deepspeed_inspect  DeepSpeed's own accounting (comms logger, estimator) beside labkit's probe
     parity             FSDP2 and DeepSpeed at matched granularity, timed in interleaved pairs
     foreign            the scratch engine on torch's own encoder layers, a model the lab did not write
+    production         FSDP2's production surface: accumulation, clipping, meta init, export, resharding
+    production_deepspeed  DeepSpeed's: gradient accumulation, torch.autocast, bf16 master weights
 
 They stand on `labkit.engines` and the probes; no engine imports them. Plots, tables, widgets and
 predictions, the other faces a notebook calls, are `labkit.plots`, `labkit.tables`, `labkit.widgets` and

@@ -48,7 +48,7 @@ class Fsdp2ModuleUnits:
                 fully_shard(module, reshard_after_forward=reshard, **common)
         fully_shard(model, **common)
         if cfg.prefetch:
-            fsdp2.set_explicit_prefetch(model, int(cfg.options.get("prefetch_depth", 1)))
+            fsdp2.set_explicit_prefetch(model, cfg.prefetch_depth)
         fsdp2.assert_sharded(model, mesh)
         return fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), rank_info.device)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from labkit import budget
-from labkit.grading.checks import Check, Exercise, answer, close, rng, tally
+from labkit.grading.kit import Check, Exercise, answer, close, rng, tally
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 # bf16 mixed precision: bytes per parameter of the replicated and of the sharded part, per strategy.

@@ -7,7 +7,7 @@ drawn from the seed."""
 from __future__ import annotations
 
 from labkit.grading import ranks
-from labkit.grading.checks import (
+from labkit.grading.kit import (
     Check,
     Exercise,
     answer,

@@ -8,7 +8,7 @@ parameter padded on dim 0 so that rank r's rows of every parameter are one conti
 from __future__ import annotations
 
 from labkit.grading import ranks
-from labkit.grading.checks import (
+from labkit.grading.kit import (
     Check,
     Exercise,
     answer,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from labkit.grading.checks import Check, Exercise, answer, rng, tally
+from labkit.grading.kit import Check, Exercise, answer, rng, tally
 
 MOMENTS = ("before_forward", "before_backward")
 _LOCK = threading.Lock()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from labkit.grading.checks import Check, Exercise, answer, rng, tally
+from labkit.grading.kit import Check, Exercise, answer, rng, tally
 from labkit.grading.public import parse
 
 OFFLOAD = ("offload_config",)

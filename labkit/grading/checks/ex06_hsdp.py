@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from labkit import budget
-from labkit.grading.checks import Check, Exercise, answer, close, rng, tally
+from labkit.grading.kit import Check, Exercise, answer, close, rng, tally
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 

@@ -1,18 +1,18 @@
 """Exercise 07, the capstone: the student's whole ZeRO-3, with prefetch, trained on 3 ranks by the lab's loop.
 
 The probe plugs the answers into the build-along's scaffold (`labkit.build.Pieces`, `Learner`) and trains
-them with `labkit.engines.loop.train_rank`, under the lab's probes, on a model the notebook never shows:
-its widths, depth and sequence length come from the seed and are uneven against 3 ranks. It returns what
-the probes measured (each rank's losses, bytes per collective, state bytes, the order of its all-gathers
-and block computes) and each rank's gradient shards after the first backward. The judge computes every
-reference itself: `single` trained in this process (losses, gradients), the ring formula and fp32 byte
-table of `labkit.budget` over the padded parameters (bytes, state), and each unit's padded size (what
-must be gathered before a block computes).
+them with `labkit.engines.loop.train_rank`, under the lab's probes, on a model the notebook never shows
+(`ex07_capstone_model`: its widths, depth and sequence length come from the seed, uneven against 3 ranks).
+It returns what the probes measured (each rank's losses, bytes per collective, state bytes, the order of its
+all-gathers and block computes) and each rank's gradient shards after the first backward. The judge
+computes every reference itself: `single` trained in this process (losses, gradients), the ring formula and
+fp32 byte table of `labkit.budget` over the padded parameters (bytes, state), and each unit's padded size
+(what must be gathered before a block computes).
 
-What makes it ZeRO-3 is measured too, not only what it computes: around each moment the probe weighs the full
-weights a unit holds (its parameters' storages and whatever its `pending` keeps) and its full gradients. A
-unit whose `after_forward` frees nothing trains to the same losses over the same bytes, yet holds the whole
-model from its forward to its backward; that costs it the memory check.
+What makes it ZeRO-3 is measured too, not only what it computes (`ex07_capstone_memory`): around each moment
+the probe weighs the full weights a unit holds and its full gradients. A unit whose `after_forward` frees
+nothing trains to the same losses over the same bytes, yet holds the whole model from its forward to its
+backward; that costs it the memory check.
 
 Why the gradients and not only the losses: AdamW's update is invariant to a constant scale of the gradient
 (but for eps), so a reduce-scatter that forgets to divide by n trains to the same losses (measured: 3x the
@@ -24,13 +24,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 
 from labkit.grading import ranks
-from labkit.grading.checks import Check, Exercise, answer, launch_timeout, rng, tally, tensor_json
+from labkit.grading.checks.ex07_capstone_memory import Watch, freed_judge, sharded_grads_judge
+from labkit.grading.checks.ex07_capstone_model import (
+    LOCK,
+    RANKS,
+    STEPS,
+    model_config,
+    padded_elements,
+    run_config,
+    unit_shapes,
+)
+from labkit.grading.kit import Check, Exercise, answer, launch_timeout, tally, tensor_json
 
-RANKS = 3
-STEPS = 3
 LAUNCH_TIMEOUT_S = 120.0
 RANKS_LIMIT_S = 150.0  # the six checks share one training run
 LOSS_REL_TOL = 1e-4
@@ -48,65 +55,6 @@ FIRST_STEP_HINT = (
     "the weights your gathers loaded are not the model's: is the receive buffer read rank-major, "
     "parameter p's rows at recv.view(n, chunk)[:, offset : offset + shard numel]?"
 )
-_LOCK = threading.RLock()  # register() is called under it too
-
-
-# ------------------------------------------------------------------------------------ the hidden model
-
-
-def model_config(seed: int):
-    """The model the grader trains: tiny's kind of GPT, its dim-0 sizes (vocab, d_model, 4 d_model, seq_len)
-    not multiples of 3, so every rank's shards carry padding."""
-    from labkit.model import ModelConfig
-
-    r = rng(seed, "model")
-    d_model, n_heads = r.choice([(20, 4), (20, 5), (28, 4), (32, 4), (40, 5)])
-    return ModelConfig(
-        vocab_size=r.choice([37, 41, 43, 47, 53]),
-        d_model=d_model,
-        n_heads=n_heads,
-        n_layers=r.choice([2, 3]),
-        seq_len=r.choice([7, 8, 10, 11, 13]),
-        global_batch=6,
-    )
-
-
-def register(cfg) -> str:
-    """The name under which `cfg` is a model of `labkit.model` (added if new): the loop builds models by name."""
-    from labkit import model
-
-    name = (
-        f"capstone_v{cfg.vocab_size}_d{cfg.d_model}_h{cfg.n_heads}_l{cfg.n_layers}_t{cfg.seq_len}"
-        f"_b{cfg.global_batch}"
-    )
-    with _LOCK:
-        model.CONFIGS.setdefault(name, cfg)
-    return name
-
-
-def run_config(seed: int):
-    """The run: the lab's AdamW defaults, `STEPS` steps on `RANKS` ranks, the seed's model and batches."""
-    from labkit.engines.base import RunConfig
-
-    return RunConfig(model=register(model_config(seed)), world_size=RANKS, steps=STEPS, seed=seed)
-
-
-def _shapes(seed: int) -> dict[str, list[tuple[tuple[int, ...], str]]]:
-    """{unit name: [(shape, parameter name)]}: the root (everything outside the blocks), then each block."""
-    from labkit.model import GPT
-    from labkit.zero.hooks import model_units
-
-    units = model_units(GPT(model_config(seed)))
-    return {unit: [(tuple(p.shape), name) for name, p in params] for unit, _, params in units}
-
-
-def _padded_numel(seed: int, unit: str | None = None) -> int:
-    """Elements of the padded full parameters (of one unit, or all): what an all-gather fills."""
-    from labkit.budget import padded_numel
-
-    units = _shapes(seed)
-    chosen = units.values() if unit is None else [units[unit]]
-    return sum(padded_numel(shape, RANKS) for params in chosen for shape, _ in params)
 
 
 # --------------------------------------------------------------------------------------------- the probe
@@ -131,82 +79,13 @@ class _FirstGrads:
         }
 
 
-def held_bytes(unit) -> int:
-    """Full-weight bytes `unit` holds now: its parameters' storages and the tensors kept in `unit.pending`
-    (each storage once; a freed parameter's holds 0 B)."""
-    from labkit.probes.memory import storages
-    from labkit.zero.outputs import output_tensors
-
-    held = {st.data_ptr(): st.nbytes() for st in storages(output_tensors([unit.params, unit.pending]))}
-    return sum(held.values())
-
-
-class _Watch:
-    """The student's moments, weighed as they return: what each unit still holds after its forward and
-    after its gradients are reduced, and the most the units hold together while the model's forward runs.
-    Each step overwrites the last: the judge reads a steady step."""
-
-    def __init__(self, pieces):
-        self.pieces = pieces
-        self.after_forward: dict[str, int] = {}
-        self.after_grad: dict[str, dict] = {}
-        self.peak = {"bytes": 0, "unit": ""}
-        self.units: list = []
-
-    def wrapped(self):
-        """The pieces with three moments weighed (the other fields as the student wrote them)."""
-        p = self.pieces
-        moments = {
-            "before_forward": self._before_forward,
-            "after_forward": self._after_forward,
-            "after_grad": self._after_grad,
-        }
-        return dataclasses.replace(
-            p,
-            **{
-                name: functools.partial(watch, getattr(p, name))
-                for name, watch in moments.items()
-                if getattr(p, name) is not None
-            },
-        )
-
-    def _before_forward(self, moment, unit) -> None:
-        if unit.prev is None:  # the root: the model's forward starts
-            self.units = [unit]
-            while self.units[-1].next is not None:
-                self.units.append(self.units[-1].next)
-            self.peak = {"bytes": 0, "unit": ""}
-        moment(unit)
-        total = sum(held_bytes(u) for u in self.units)
-        if total > self.peak["bytes"]:
-            self.peak = {"bytes": total, "unit": unit.name}
-
-    def _after_forward(self, moment, unit) -> None:
-        moment(unit)
-        self.after_forward[unit.name] = held_bytes(unit)
-
-    def _after_grad(self, moment, unit) -> None:
-        moment(unit)
-        full_grads = sum(p.grad.untyped_storage().nbytes() for p in unit.params if p.grad is not None)
-        shard_grads = sum(
-            s.grad.numel() * s.grad.element_size()
-            for s in unit.shards
-            if s.grad is not None and tuple(s.grad.shape) == tuple(s.shape)
-        )
-        self.after_grad[unit.name] = {
-            "weights": held_bytes(unit),
-            "grads": full_grads,
-            "shard_grads": shard_grads,
-        }
-
-
 def _rank(pieces, seed: int) -> dict:
     """On each rank: train the student's pieces with the lab's loop and keep what the judges need."""
     from labkit.build.scaffold import Learner
     from labkit.engines import loop
 
     recorder = _FirstGrads(pieces.after_grad)
-    watch = _Watch(dataclasses.replace(pieces, after_grad=recorder))
+    watch = Watch(dataclasses.replace(pieces, after_grad=recorder))
     out = loop.train_rank(Learner(watch.wrapped()), run_config(seed))
     last = STEPS - 1
     order = [
@@ -309,7 +188,7 @@ def _single_run(seed: int) -> tuple[tuple[float, ...], dict]:
 
 def single_reference(seed: int) -> tuple[tuple[float, ...], dict]:
     """(losses per step, first-step gradients by parameter name) of `single` on the seed's run."""
-    with _LOCK:
+    with LOCK:
         return _single_run(seed)
 
 
@@ -369,7 +248,7 @@ def expected_wire_bytes(seed: int) -> dict[str, int]:
     """Per rank per step: 2 all-gathers (forward, backward) and 1 reduce-scatter of the padded fp32 weights."""
     from labkit.budget import collective_wire_bytes
 
-    payload = _padded_numel(seed) * 4
+    payload = padded_elements(seed) * 4
     return {
         "all_gather": 2 * collective_wire_bytes("all_gather", payload, RANKS),
         "reduce_scatter": collective_wire_bytes("reduce_scatter", payload, RANKS),
@@ -378,13 +257,13 @@ def expected_wire_bytes(seed: int) -> dict[str, int]:
 
 def expected_calls(seed: int) -> dict[str, int]:
     """Per rank per step: one packed all-gather per unit in forward and one in backward, one reduce-scatter."""
-    units = len(_shapes(seed))
+    units = len(unit_shapes(seed))
     return {"all_gather": 2 * units, "reduce_scatter": units}
 
 
 def _bytes_judge(got: list, seed: int) -> tuple[float, str]:
     want = expected_wire_bytes(seed)
-    payload = _padded_numel(seed) * 4
+    payload = padded_elements(seed) * 4
     formula = {
         "all_gather": f"2 x (n-1)/n x {payload:,} B of padded weights = {want['all_gather']:,} B",
         "reduce_scatter": f"(n-1)/n x {payload:,} B of padded gradients = {want['reduce_scatter']:,} B",
@@ -426,7 +305,7 @@ def expected_state_bytes(seed: int) -> dict[str, int]:
     from labkit.budget import PRECISIONS
 
     per_param = PRECISIONS["fp32"]
-    elements = _padded_numel(seed) // RANKS
+    elements = padded_elements(seed) // RANKS
     return {
         "params": int(per_param["weights"] * elements),
         "grads": int(per_param["grads"] * elements),
@@ -436,7 +315,7 @@ def expected_state_bytes(seed: int) -> dict[str, int]:
 
 def _state_judge(got: list, seed: int) -> tuple[float, str]:
     want = expected_state_bytes(seed)
-    n_tensors = sum(len(params) for params in _shapes(seed).values())
+    n_tensors = sum(len(params) for params in unit_shapes(seed).values())
     step_counters = 4 * n_tensors  # torch.optim.AdamW keeps a 4-byte step per tensor
     cases = []
     for rank, state in enumerate(got):
@@ -454,84 +333,10 @@ def _state_judge(got: list, seed: int) -> tuple[float, str]:
     return tally(cases)
 
 
-def _numel(seed: int, unit: str) -> int:
-    """Elements of one unit's full parameters, unpadded: what `load` puts into them."""
-    return sum(math.prod(shape) for shape, _ in _shapes(seed)[unit])
-
-
-def full_weight_bound(seed: int) -> int:
-    """Most full-weight bytes a rank may hold while the model's forward runs: the root's padded weights
-    (its forward is the whole model's), the block computing and the block whose gather is prefetched."""
-    blocks = [name for name in _shapes(seed) if name != "root"]
-    per_block = max(_padded_numel(seed, name) for name in blocks)
-    return 4 * (_padded_numel(seed, "root") + 2 * per_block)
-
-
-def _freed_judge(got: list, seed: int) -> tuple[float, str]:
-    units = list(_shapes(seed))
-    bound = full_weight_bound(seed)
-    least = 4 * (_numel(seed, "root") + _numel(seed, "blocks.0"))
-    cases = []
-    for rank, seen in enumerate(got):
-        for unit in units:
-            held = seen["after_forward"].get(unit)
-            cases.append(
-                (
-                    held == 0,
-                    f"rank {rank}: {unit}'s after_forward never returned"
-                    if held is None
-                    else f"rank {rank}: {unit} still held {held:,} B of full weights after its forward "
-                    "returned: free them in after_forward (from a unit's forward to its backward ZeRO-3 "
-                    "keeps only the shards)",
-                )
-            )
-        peak = seen["peak"]
-        if int(peak["bytes"]) < least:  # no run gathers less: the weights never reached unit.params
-            return 0.0, (
-                f"rank {rank}: at most {int(peak['bytes']):,} B of full weights were held during the forward, "
-                f"less than the root's and one block's own ({least:,} B): gather into unit.params"
-            )
-        cases.append(
-            (
-                int(peak["bytes"]) <= bound,
-                f"rank {rank}: {int(peak['bytes']):,} B of full weights were held at once during the forward "
-                f"(after {peak['unit']}'s before_forward), more than the root, the block computing and the "
-                f"one prefetched ({bound:,} B): gather one unit ahead, not the model",
-            )
-        )
-    return tally(cases)
-
-
-def _sharded_grads_judge(got: list, seed: int) -> tuple[float, str]:
-    cases = []
-    for rank, seen in enumerate(got):
-        for unit in _shapes(seed):
-            done = seen["after_grad"].get(unit)
-            if done is None:
-                cases.append((False, f"rank {rank}: {unit}'s after_grad never ran"))
-                continue
-            problems = []
-            if done["grads"]:
-                problems.append(
-                    f"kept {done['grads']:,} B of full gradients (set each p.grad to None once reduced)"
-                )
-            if done["weights"]:
-                problems.append(f"held {done['weights']:,} B of full weights (free them in after_grad)")
-            want = 4 * _padded_numel(seed, unit) // RANKS
-            if done["shard_grads"] != want:
-                problems.append(
-                    f"left {done['shard_grads']:,} B of gradient shards of their shards' shapes, want {want:,} B"
-                )
-            cases.append(
-                (not problems, f"rank {rank}: after its reduce-scatter {unit} {'; '.join(problems)}")
-            )
-    return tally(cases)
-
-
 def _prefetch_case(seen: dict, seed: int, rank: int, block: int) -> tuple[bool, str]:
     """Before blocks.{block} computes: the gathers issued cover the root and blocks 0..block+1, the last async."""
-    root = _padded_numel(seed, "root") * 4
-    per_block = _padded_numel(seed, "blocks.0") * 4
+    root = padded_elements(seed, "root") * 4
+    per_block = padded_elements(seed, "blocks.0") * 4
     events = sorted(seen["order"], key=lambda e: float(e[2]))
     start = next(
         (float(e[2]) for e in events if e[0] == "compute" and e[1] == f"blocks.{block}.forward"), None
@@ -591,14 +396,14 @@ EXERCISE = Exercise(
             "full weights freed after each unit's forward: only the shards between forward and backward",
             3,
             _memory_probe,
-            _freed_judge,
+            freed_judge,
             **_SHARED,
         ),
         Check(
             "gradients end sharded: no full gradient or weight left after a unit's reduce-scatter",
             2,
             _memory_probe,
-            _sharded_grads_judge,
+            sharded_grads_judge,
             **_SHARED,
         ),
         Check(

@@ -1,0 +1,169 @@
+"""Exercise 07's memory checks: what makes it ZeRO-3, weighed around the student's moments on every rank.
+
+The probe side (`Watch`) weighs the full weights each unit holds (its parameters' storages and whatever its
+`pending` keeps) when its `after_forward` returns, the most all units hold together while the model's forward
+runs, and the full and sharded gradients left when its `after_grad` returns. The judges compare them with
+what ZeRO-3 keeps: nothing full between a unit's forward and backward, at most the root, the block computing
+and the one prefetched during the forward, and only gradient shards after the reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from labkit.grading.checks.ex07_capstone_model import RANKS, padded_elements, unit_shapes
+from labkit.grading.kit import tally
+
+# --------------------------------------------------------------------------------------------- the probe
+
+
+def held_bytes(unit) -> int:
+    """Full-weight bytes `unit` holds now: its parameters' storages and the tensors kept in `unit.pending`
+    (each storage once; a freed parameter's holds 0 B)."""
+    from labkit.probes.memory import storages
+    from labkit.zero.outputs import output_tensors
+
+    held = {st.data_ptr(): st.nbytes() for st in storages(output_tensors([unit.params, unit.pending]))}
+    return sum(held.values())
+
+
+class Watch:
+    """The student's moments, weighed as they return: what each unit still holds after its forward and
+    after its gradients are reduced, and the most the units hold together while the model's forward runs.
+    Each step overwrites the last: the judge reads a steady step."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+        self.after_forward: dict[str, int] = {}
+        self.after_grad: dict[str, dict] = {}
+        self.peak = {"bytes": 0, "unit": ""}
+        self.units: list = []
+
+    def wrapped(self):
+        """The pieces with three moments weighed (the other fields as the student wrote them)."""
+        p = self.pieces
+        moments = {
+            "before_forward": self._before_forward,
+            "after_forward": self._after_forward,
+            "after_grad": self._after_grad,
+        }
+        return dataclasses.replace(
+            p,
+            **{
+                name: functools.partial(watch, getattr(p, name))
+                for name, watch in moments.items()
+                if getattr(p, name) is not None
+            },
+        )
+
+    def _before_forward(self, moment, unit) -> None:
+        if unit.prev is None:  # the root: the model's forward starts
+            self.units = [unit]
+            while self.units[-1].next is not None:
+                self.units.append(self.units[-1].next)
+            self.peak = {"bytes": 0, "unit": ""}
+        moment(unit)
+        total = sum(held_bytes(u) for u in self.units)
+        if total > self.peak["bytes"]:
+            self.peak = {"bytes": total, "unit": unit.name}
+
+    def _after_forward(self, moment, unit) -> None:
+        moment(unit)
+        self.after_forward[unit.name] = held_bytes(unit)
+
+    def _after_grad(self, moment, unit) -> None:
+        moment(unit)
+        full_grads = sum(p.grad.untyped_storage().nbytes() for p in unit.params if p.grad is not None)
+        shard_grads = sum(
+            s.grad.numel() * s.grad.element_size()
+            for s in unit.shards
+            if s.grad is not None and tuple(s.grad.shape) == tuple(s.shape)
+        )
+        self.after_grad[unit.name] = {
+            "weights": held_bytes(unit),
+            "grads": full_grads,
+            "shard_grads": shard_grads,
+        }
+
+
+# -------------------------------------------------------------------------------------------- the judges
+
+
+def _numel(seed: int, unit: str) -> int:
+    """Elements of one unit's full parameters, unpadded: what `load` puts into them."""
+    return sum(math.prod(shape) for shape, _ in unit_shapes(seed)[unit])
+
+
+def full_weight_bound(seed: int) -> int:
+    """Most full-weight bytes a rank may hold while the model's forward runs: the root's padded weights
+    (its forward is the whole model's), the block computing and the block whose gather is prefetched."""
+    blocks = [name for name in unit_shapes(seed) if name != "root"]
+    per_block = max(padded_elements(seed, name) for name in blocks)
+    return 4 * (padded_elements(seed, "root") + 2 * per_block)
+
+
+def freed_judge(got: list, seed: int) -> tuple[float, str]:
+    """Each unit holds no full weight once its after_forward returns, and the forward's peak stays within
+    `full_weight_bound`."""
+    units = list(unit_shapes(seed))
+    bound = full_weight_bound(seed)
+    least = 4 * (_numel(seed, "root") + _numel(seed, "blocks.0"))
+    cases = []
+    for rank, seen in enumerate(got):
+        for unit in units:
+            held = seen["after_forward"].get(unit)
+            cases.append(
+                (
+                    held == 0,
+                    f"rank {rank}: {unit}'s after_forward never returned"
+                    if held is None
+                    else f"rank {rank}: {unit} still held {held:,} B of full weights after its forward "
+                    "returned: free them in after_forward (from a unit's forward to its backward ZeRO-3 "
+                    "keeps only the shards)",
+                )
+            )
+        peak = seen["peak"]
+        if int(peak["bytes"]) < least:  # no run gathers less: the weights never reached unit.params
+            return 0.0, (
+                f"rank {rank}: at most {int(peak['bytes']):,} B of full weights were held during the forward, "
+                f"less than the root's and one block's own ({least:,} B): gather into unit.params"
+            )
+        cases.append(
+            (
+                int(peak["bytes"]) <= bound,
+                f"rank {rank}: {int(peak['bytes']):,} B of full weights were held at once during the forward "
+                f"(after {peak['unit']}'s before_forward), more than the root, the block computing and the "
+                f"one prefetched ({bound:,} B): gather one unit ahead, not the model",
+            )
+        )
+    return tally(cases)
+
+
+def sharded_grads_judge(got: list, seed: int) -> tuple[float, str]:
+    """After each unit's reduce-scatter: no full gradient or weight left, and fp32 gradient shards of the
+    shards' own shapes."""
+    cases = []
+    for rank, seen in enumerate(got):
+        for unit in unit_shapes(seed):
+            done = seen["after_grad"].get(unit)
+            if done is None:
+                cases.append((False, f"rank {rank}: {unit}'s after_grad never ran"))
+                continue
+            problems = []
+            if done["grads"]:
+                problems.append(
+                    f"kept {done['grads']:,} B of full gradients (set each p.grad to None once reduced)"
+                )
+            if done["weights"]:
+                problems.append(f"held {done['weights']:,} B of full weights (free them in after_grad)")
+            want = 4 * padded_elements(seed, unit) // RANKS
+            if done["shard_grads"] != want:
+                problems.append(
+                    f"left {done['shard_grads']:,} B of gradient shards of their shards' shapes, want {want:,} B"
+                )
+            cases.append(
+                (not problems, f"rank {rank}: after its reduce-scatter {unit} {'; '.join(problems)}")
+            )
+    return tally(cases)
