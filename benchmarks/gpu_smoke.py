@@ -432,8 +432,8 @@ def check_helpers(smoke: Smoke, world_size: int, gpus: int) -> None:
 
 
 def check_build_along(world_size: int) -> str:
-    from labkit.build import checks
-    from labkit.build.cells import pieces_from_notebook
+    from labkit.buildalong import checks
+    from labkit.buildalong.cells import pieces_from_notebook
 
     pieces = pieces_from_notebook()  # the instructor's copy: the build cells filled
     results = checks.run_checks([(s, pieces) for s in checks.STEPS], world_size, "tiny_uneven", quiet=True)

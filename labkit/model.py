@@ -8,7 +8,7 @@ step k whatever the world size, each rank taking an equal, contiguous slice of i
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -110,10 +110,23 @@ class GPT(nn.Module):
 
 
 def config(name: str) -> ModelConfig:
-    """The `ModelConfig` called `name`; a clear error for an unknown name."""
-    if name not in CONFIGS:
+    """The `ModelConfig` called `name`; "NAME@B" is model NAME with a global batch of B sequences per step
+    (`with_batch`: the same weights, more or fewer tokens per rank). A clear error for an unknown name."""
+    base, at, sequences = name.partition("@")
+    if base not in CONFIGS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(CONFIGS)}")
-    return CONFIGS[name]
+    if not at:
+        return CONFIGS[base]
+    if not sequences.isdigit() or int(sequences) < 1:
+        raise ValueError(
+            f"model {name!r}: after '@' pass the sequences of one step, a whole number 1 or more (e.g. {base}@24)"
+        )
+    return replace(CONFIGS[base], global_batch=int(sequences))
+
+
+def with_batch(name: str, sequences: int) -> str:
+    """The name of model `name` with a global batch of `sequences` per step ("tiny@48"): `config` reads it."""
+    return f"{name.partition('@')[0]}@{sequences}"
 
 
 def build_model(name: str = "tiny", seed: int = 0) -> nn.Module:

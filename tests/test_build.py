@@ -1,4 +1,4 @@
-"""The build-along (labkit.build): the scaffold's units and moments, notebook 02's filled pieces against `single`,
+"""The build-along (labkit.buildalong): the scaffold's units and moments, notebook 02's filled pieces against `single`,
 and each step's check catching a planted mistake with the sentence that names it. Few launches: each rank
 function below runs several cases."""
 
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.build import Learner, Pieces, attach, checks
-from labkit.build.cells import build_cells, notebook_namespace, pieces_from_notebook
-from labkit.build.stubs import NotWritten, write_this_piece
+from labkit.buildalong import Learner, Pieces, attach, checks
+from labkit.buildalong.cells import build_cells, notebook_namespace, pieces_from_notebook
+from labkit.buildalong.stubs import NotWritten, write_this_piece
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine

@@ -13,8 +13,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.build.deepspeed_check import PROPERTIES, run_deepspeed_checks
-from labkit.build.stubs import write_this_piece
+from labkit.buildalong.deepspeed_check import PROPERTIES, run_deepspeed_checks
+from labkit.buildalong.stubs import write_this_piece
 from labkit.model import build_model, loss_fn
 from labkit.release import normalised_lines, telling
 

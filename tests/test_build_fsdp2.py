@@ -1,4 +1,4 @@
-"""Notebook 05's build cell and its live check (labkit.build.fsdp2_check): the filled answer passes every property,
+"""Notebook 05's build cell and its live check (labkit.buildalong.fsdp2_check): the filled answer passes every property,
 each planted mistake fails with the sentence that names it, and the stub says "write this piece" — one launch, on
 3 ranks of the uneven model (FSDP2 pads every shard there, and the byte plan must price the padding)."""
 
@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from torch.distributed.fsdp import fully_shard
 
-from labkit.build.fsdp2_check import PROPERTIES, run_fully_shard_checks
+from labkit.buildalong.fsdp2_check import PROPERTIES, run_fully_shard_checks
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "05_fsdp2_surface.ipynb"
 

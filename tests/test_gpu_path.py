@@ -169,8 +169,8 @@ def _helpers_under_watch() -> dict[str, dict]:
     every tokens / targets tensor its model and loss saw came out of that one function."""
     import weakref
 
-    from labkit.build import checks
-    from labkit.build.cells import pieces_from_notebook
+    from labkit.buildalong import checks
+    from labkit.buildalong.cells import pieces_from_notebook
     from labkit.engines import scratch
     from labkit.lessons import deepspeed_inspect, fsdp2_features, fsdp2_inspect
 

@@ -119,7 +119,7 @@ def test_units_returning_tensors_tuples_dicts_and_dataclasses_train_like_single_
 def _gpt2_lm_head_model(pieces) -> dict:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from labkit.build import attach
+    from labkit.buildalong import attach
     from labkit.zero import ZeRO3, instances_of
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -161,7 +161,7 @@ def _gpt2_lm_head_model(pieces) -> dict:
 
 
 def test_the_issues_gpt2_lm_head_model_shards_by_its_own_blocks_with_ours_and_the_learners_zero3():
-    from labkit.build.cells import pieces_from_notebook
+    from labkit.buildalong.cells import pieces_from_notebook
 
     for r in labkit.launch(_gpt2_lm_head_model, 2, pieces_from_notebook()):
         for engine, got in r.items():

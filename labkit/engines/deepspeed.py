@@ -447,7 +447,7 @@ def initialize(
 
     Without `optimizer` DeepSpeed builds the one `config`'s "optimizer" section names ("AdamW": its own
     FusedAdam op, built for CPU ranks too; `torch.optim.AdamW` with `"torch_adam": True`). `build` passes the
-    run's AdamW; `labkit.build.deepspeed_check` passes the learner's config alone.
+    run's AdamW; `labkit.buildalong.deepspeed_check` passes the learner's config alone.
     """
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     swap_dir = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("nvme_path")

@@ -10,7 +10,7 @@ shard or move `model`, but must keep training the same `model.blocks[i]` objects
 forward for the timeline). The returned object follows `labkit.engines.base.Engine`. Engines are imported
 lazily by name (their row of `labkit.engines.registry.ENGINES`), so `deepspeed` is imported only for the
 deepspeed engine. An object with that `build` method may stand in for a name (`EngineBuilder`: the
-build-along's `labkit.build.Learner`). A single-rank engine (`single`) runs on one rank with the global
+build-along's `labkit.buildalong.Learner`). A single-rank engine (`single`) runs on one rank with the global
 batch; every other engine on `cfg.world_size` ranks, each with its slice.
 
 Rank side (`train_rank`): install the probes -> build the engine -> barrier and zero the clocks -> per step:

@@ -114,10 +114,10 @@ class RunConfig:
     def sequences_per_rank(self, world_size: int | None = None) -> int:
         """The model's global batch / `world_size` ranks (default: this run's); one sentence when it does not
         divide: the one check of a world size against the batch."""
-        from labkit.model import CONFIGS
+        from labkit.model import config
 
         world_size = self.world_size if world_size is None else world_size
-        global_batch = CONFIGS[self.model].global_batch
+        global_batch = config(self.model).global_batch
         if global_batch % world_size:
             divisors = ", ".join(str(d) for d in range(1, global_batch + 1) if global_batch % d == 0)
             raise ValueError(
@@ -149,10 +149,11 @@ def _real(value: Any) -> bool:
 
 
 def _check_model(name: str, value: Any, s: Setting) -> None:
-    from labkit.model import CONFIGS
+    from labkit.model import CONFIGS, config
 
-    if not isinstance(value, str) or value not in CONFIGS:
+    if not isinstance(value, str) or value.partition("@")[0] not in CONFIGS:
         raise ValueError(f"{name}={value!r} is unknown; choose from {', '.join(CONFIGS)}")
+    config(value)  # a batch after '@' that is not a whole number of sequences
 
 
 def _check_count(name: str, value: Any, s: Setting) -> None:

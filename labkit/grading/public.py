@@ -336,9 +336,9 @@ def _hsdp_state_cases(ns: dict) -> list:
 
 
 def _build_cases(ns: dict) -> list:
-    """The build-along's own live check (labkit.build.checks, notebook 02): training against `single`."""
-    from labkit.build import Pieces
-    from labkit.build.checks import run_checks
+    """The build-along's own live check (labkit.buildalong.checks, notebook 02): training against `single`."""
+    from labkit.buildalong import Pieces
+    from labkit.buildalong.checks import run_checks
 
     pieces = Pieces(**{f.name: answer(ns, f.name) for f in dataclasses.fields(Pieces)})
     [result] = run_checks([("adamw", pieces)], world_size=DEMO_RANKS, quiet=True)

@@ -117,5 +117,5 @@ EXERCISE = Exercise(
             limit_s=GATHER_LIMIT_S,
         ),
     ),
-    forbidden=("labkit.zero", "labkit.build.cells"),
+    forbidden=("labkit.zero", "labkit.buildalong.cells"),
 )

@@ -1,6 +1,6 @@
 """Exercise 07, the capstone: the student's whole ZeRO-3, with prefetch, trained on 3 ranks by the lab's loop.
 
-The probe plugs the answers into the build-along's scaffold (`labkit.build.Pieces`, `Learner`) and trains
+The probe plugs the answers into the build-along's scaffold (`labkit.buildalong.Pieces`, `Learner`) and trains
 them with `labkit.engines.loop.train_rank`, under the lab's probes, on a model the notebook never shows
 (`ex07_capstone_model`: its widths, depth and sequence length come from the seed, uneven against 3 ranks).
 It returns what the probes measured (each rank's losses, bytes per collective, state bytes, the order of its
@@ -81,7 +81,7 @@ class _FirstGrads:
 
 def _rank(pieces, seed: int) -> dict:
     """On each rank: train the student's pieces with the lab's loop and keep what the judges need."""
-    from labkit.build.scaffold import Learner
+    from labkit.buildalong.scaffold import Learner
     from labkit.engines import loop
 
     recorder = _FirstGrads(pieces.after_grad)
@@ -115,7 +115,7 @@ _last_launch: dict = {}
 
 def _launch(ns: dict, seed: int) -> list[dict]:
     """One training run serves the six probes: the result (or failure) is kept for the same answers."""
-    from labkit.build.scaffold import Pieces
+    from labkit.buildalong.scaffold import Pieces
 
     fns = tuple(answer(ns, name) for name in PIECES)
     held_fns, held_seed = _last_launch.get("key", ((), None))
@@ -421,5 +421,10 @@ EXERCISE = Exercise(
             **_SHARED,
         ),
     ),
-    forbidden=("labkit.zero", "labkit.build.cells", "labkit.build.checks", "labkit.engines.scratch"),
+    forbidden=(
+        "labkit.zero",
+        "labkit.buildalong.cells",
+        "labkit.buildalong.checks",
+        "labkit.engines.scratch",
+    ),
 )

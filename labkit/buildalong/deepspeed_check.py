@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labkit.build.stubs import raised, unwritten
-from labkit.build.verdicts import LOSS_RTOL, CheckResult, launched
+from labkit.buildalong.stubs import raised, unwritten
+from labkit.buildalong.verdicts import LOSS_RTOL, CheckResult, launched
 from labkit.engines import deepspeed as ds_engine
 from labkit.engines import loop
 from labkit.engines.base import RunConfig

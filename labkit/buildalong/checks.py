@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.build.scaffold import Learner, Pieces, attach
-from labkit.build.verdicts import CheckResult, launched, verdict
+from labkit.buildalong.scaffold import Learner, Pieces, attach
+from labkit.buildalong.verdicts import CheckResult, launched, verdict
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine

@@ -11,6 +11,6 @@
 labkit.zero (the lab's own ZeRO-3) never imports this package.
 """
 
-from labkit.build.scaffold import Learner, Pieces, Unit, attach
+from labkit.buildalong.scaffold import Learner, Pieces, Unit, attach
 
 __all__ = ["Learner", "Pieces", "Unit", "attach"]

@@ -1,6 +1,6 @@
 """The sentences of the build-along's checks: from what every rank measured to one verdict per step.
 
-Parent side of `labkit.build.checks`. Each step has a `_mistake_<step>` that returns the sentence naming the
+Parent side of `labkit.buildalong.checks`. Each step has a `_mistake_<step>` that returns the sentence naming the
 first mistake it finds (checked in the order a learner would make them), or None; then the sentence of
 what was verified, with the measured figures. Bytes are compared with `labkit.budget`'s ring formula on
 the padded sizes, exactly; losses and gradients with single's, to the engines' float32 tolerance.
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from labkit.budget import collective_wire_bytes, padded_numel
-from labkit.build.stubs import unwritten
+from labkit.buildalong.stubs import unwritten
 from labkit.model import build_model
 
 LOSS_RTOL = 1e-4  # float32: the engines' contract with single

@@ -17,8 +17,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from labkit.budget import padded_numel
-from labkit.build.stubs import raised, unwritten
-from labkit.build.verdicts import LOSS_RTOL, CheckResult, launched, names_of
+from labkit.buildalong.stubs import raised, unwritten
+from labkit.buildalong.verdicts import LOSS_RTOL, CheckResult, launched, names_of
 from labkit.engines import fsdp2, loop
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nbformat
 
-from labkit.build.scaffold import Pieces
+from labkit.buildalong.scaffold import Pieces
 from labkit.course import course_path
 
 NOTEBOOK = "notebooks/02_zero3_from_scratch.ipynb"
@@ -36,7 +36,7 @@ def notebook_namespace(path: Path | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
-    from labkit.build.stubs import write_this_piece
+    from labkit.buildalong.stubs import write_this_piece
     from labkit.engines.base import RunConfig
 
     ns = {"torch": torch, "dist": dist, "lab": RunConfig(), "write_this_piece": write_this_piece}
