@@ -30,6 +30,7 @@ import labkit
 from labkit import budget
 from labkit.engines import ENGINES
 from labkit.engines.base import RunConfig
+from labkit.engines.registry import FSDP2, SCRATCH
 from labkit.model import batch, build_model, config, count_params
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -198,11 +199,11 @@ def plan_options(engine: str, cfg: RunConfig, profile: dict) -> tuple[int, str, 
         "gpus_per_node": n,
         "link_gbytes": link,
         "intra_gbytes": link,
-        "prefetch": cfg.prefetch and not (engine == "fsdp2" and _on_gloo(profile)),
+        "prefetch": cfg.prefetch and not (engine == FSDP2 and _on_gloo(profile)),
         "reshard_after_forward": cfg.reshard_after_forward,
         "machine": profile,
     }
-    if engine == "scratch":
+    if engine == SCRATCH:
         from labkit.engines.scratch import split_root
 
         options["root_units"] = 2 if split_root(cfg) else 1  # its input and output units

@@ -560,3 +560,37 @@ def mesh_figure(
     ax.set_aspect("equal")
     ax.set_title(title or f"mesh {names} = {[list(r) for r in mesh_ranks]}", fontsize=10, loc="left", pad=8)
     return fig
+
+
+def roofline(rows: Sequence[dict], measured: dict, closed_form: dict, *, ax=None) -> Figure:
+    """A sweep of `labkit.lessons.roofline` (ms against tokens per rank, log x): each step's compute and its
+    exposed communication over the emulated link, the link's time for the step's bytes, the fitted floor and
+    fall (`measured`), and the two crossovers: the fit's and the closed form's (`closed_form`)."""
+    fig, ax = _figure_and_axes(ax, (6.4, 3.4))
+    tokens = [r["tokens_per_rank"] for r in rows]
+    ax.plot(tokens, [r["compute_s"] * 1e3 for r in rows], "o-", color="#55A868", label="compute (no link)")
+    ax.plot(
+        tokens, [r["exposed_s"] * 1e3 for r in rows], "o-", color="#C44E52", label="exposed comm, prefetch on"
+    )
+    ax.plot(
+        tokens,
+        [r["link_s"] * 1e3 for r in rows],
+        "--",
+        color="#4C72B0",
+        label="link time of the step's bytes",
+    )
+    fit_x = sorted({*tokens, measured["tokens_per_rank"]})
+    fit_y = [
+        (measured["floor_s"] + measured["slope_s_per_token"] * max(0.0, measured["tokens_per_rank"] - t))
+        * 1e3
+        for t in fit_x
+    ]
+    ax.plot(fit_x, fit_y, ":", color="#333333", label="fit: floor + slope x max(0, T_x - T)")
+    ax.axvline(measured["tokens_per_rank"], color="#C44E52", alpha=0.5, label="measured crossover T_x")
+    ax.axvline(closed_form["tokens_per_rank"], color="#4C72B0", alpha=0.5, label="closed form T*")
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens per rank per step")
+    ax.set_ylabel("ms per step")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set_title("When prefetch hides the link")
+    return fig

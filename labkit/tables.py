@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from labkit import budget
+from labkit.engines.registry import ORACLE
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")  # the columns of the engine tables
 
@@ -70,7 +71,7 @@ def wire_bytes(record: dict[str, Any], kind: str | None = None) -> int:
 # ------------------------------------------------------------------------------------------ records
 
 
-def records_table(records: dict[str, dict[str, Any]], reference: str = "single") -> str:
+def records_table(records: dict[str, dict[str, Any]], reference: str = ORACLE) -> str:
     """One row per record: last loss, largest relative loss difference to `reference`, wire bytes per
     collective, state bytes and peak memory per rank, median step time."""
     ref = records.get(reference, {}).get("losses")
@@ -107,12 +108,12 @@ def compare_table(result: dict[str, Any]) -> str:
     """The table `labkit compare` prints: a title line, one row per engine, and, for runs across nodes,
     each engine's intra/inter-node bytes per collective."""
     cfg = result["config"]
-    reference = result["engines"].get("single", {}).get("losses")
+    reference = result["engines"].get(ORACLE, {}).get("losses")
     rows = [
         (
             "engine",
             "final loss",
-            "max|d single|",
+            f"max|d {ORACLE}|",
             "step ms",
             "state/rank",
             "all-gather",

@@ -77,3 +77,13 @@ def test_a_batch_too_small_for_one_node_says_so_and_bad_input_is_refused():
         largest_useful_world_size(30e9, 0)
     with pytest.raises(ValueError, match="above 0"):
         closed_form_critical_tokens(1e12, 0)
+
+
+def test_tensor_parallel_inside_a_node_multiplies_the_useful_ranks_by_its_degree():
+    alone = largest_useful_world_size(30e9, 4e6)
+    for t in (2, 4, 8):
+        got = largest_useful_world_size(30e9, 4e6, tensor_parallel=t)
+        assert got["world_size"] == pytest.approx(t * alone["world_size"], rel=0.01)
+        assert got["tokens_per_rank"] >= got["critical_tokens_per_rank"]  # the group's share clears it
+    with pytest.raises(ValueError, match="divisor of gpus_per_node"):
+        largest_useful_world_size(30e9, 4e6, tensor_parallel=3)

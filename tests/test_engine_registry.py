@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
+from pathlib import Path
 
+import labkit
 from labkit import budget
 from labkit.engines import ENGINES
 from labkit.engines.loop import engine_options
+from labkit.engines.registry import ORACLE
 from labkit.engines.run_config import SETTINGS
 
 
@@ -20,4 +24,37 @@ def test_every_row_names_a_module_a_strategy_and_known_settings():
         assert engine_options(name), name  # its checks module names the options it honours
     # The light checks module, not the engine's (which imports DeepSpeed), answers for deepspeed.
     assert importlib.import_module(ENGINES["deepspeed"].checks_module).__name__ == "labkit.engines.ds_config"
-    assert [n for n, spec in ENGINES.items() if spec.single_rank] == ["single"]
+    assert [n for n, spec in ENGINES.items() if spec.single_rank] == ["single"] == [ORACLE]
+    for name, spec in ENGINES.items():
+        assert importlib.import_module(spec.module).NAME == name  # the module's name is the registry's
+
+
+# Strings equal to an engine's name that are not engines: another vocabulary that shares the word.
+# (labkit/budget/ is skipped whole: its strategies and accountings are its own, "ddp" and "deepspeed" among them.)
+NOT_ENGINES = {
+    ("classroom.py", "ddp"): "a budget strategy",
+    ("tables.py", "deepspeed"): "a budget accounting",
+    ("doctor.py", "deepspeed"): "a package the doctor looks for",
+    ("engines/ds_config.py", "deepspeed"): "the package's import name",
+    ("lessons/deepspeed_inspect.py", "deepspeed"): "the package's module prefix",
+    ("grading/public.py", "ddp"): "exercise 01's strategies",
+    ("grading/checks/ex01_memory.py", "ddp"): "exercise 01's strategies",
+    ("buildalong/verdicts.py", "single"): "a CheckResult figure the learner reads: single's losses",
+    ("buildalong/fsdp2_check.py", "single"): "a CheckResult figure the learner reads: single's losses",
+    ("buildalong/deepspeed_check.py", "single"): "a CheckResult figure the learner reads: single's losses",
+}
+
+
+def test_engine_names_are_spelled_only_in_the_registry():
+    root = Path(labkit.__file__).parent
+    found: dict[tuple[str, str], list[int]] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "engines/registry.py" or rel.startswith(("budget/", "_course/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in ENGINES:
+                found.setdefault((rel, node.value), []).append(node.lineno)
+    stray = {key: lines for key, lines in found.items() if key not in NOT_ENGINES}
+    assert not stray, f"engine names typed outside labkit/engines/registry.py (import its constants): {stray}"
+    assert set(NOT_ENGINES) <= set(found), set(NOT_ENGINES) - set(found)

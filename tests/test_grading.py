@@ -32,7 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 # tests/test_capstone.py grades the capstone's solution and exercise with its planted mistakes, in a batch of its own
-GRADED_ELSEWHERE = {"07_capstone.ipynb"}
+GRADED_ELSEWHERE = {
+    "07_capstone.ipynb",
+    "08_critical_batch.ipynb",
+}  # tests/test_capstone.py, test_exercise08.py
 BATCH_SOLUTIONS = [p for p in SOLUTIONS if p.name not in GRADED_ELSEWHERE]
 BATCH_EXERCISES = [p for p in EXERCISES if p.name not in GRADED_ELSEWHERE]
 BATCH_TIMEOUT_S = 240  # generous: 2 shared cores; the time-limit test uses a short one

@@ -63,24 +63,39 @@ def critical_tokens(params: float, world_size: int, strategy: str = "zero3", **o
 
 
 def largest_useful_world_size(
-    params: float, global_tokens: float, strategy: str = "zero3", max_ranks: int = MAX_RANKS, **options
+    params: float,
+    global_tokens: float,
+    strategy: str = "zero3",
+    max_ranks: int = MAX_RANKS,
+    tensor_parallel: int = 1,
+    **options,
 ) -> dict:
     """The most ranks, in whole nodes, that a step of `global_tokens` keeps compute-bound: each rank's share
     global_tokens / n at or above that n's critical tokens per rank (`critical_tokens`).
 
-    Returns {"world_size" (None when even one node is link-bound), "tokens_per_rank", "critical_tokens_per_rank",
-    "next": the same at the next node count, where it no longer holds (None past `max_ranks`)}.
+    `tensor_parallel` t > 1 puts t ranks of a node on each layer (TP inside the node): FSDP then runs over
+    n / t data-parallel groups of t ranks, each rank holding and computing 1/t of the model, so the groups'
+    tokens must clear the same threshold and the world size is t x theirs. TP's own activation all-reduces
+    stay on the node's links and are not priced here. Returns {"world_size" (None when even one node is
+    link-bound), "tokens_per_rank" (of one data-parallel group), "critical_tokens_per_rank", "next": the same
+    at the next node count, where it no longer holds (None past `max_ranks`)}.
     """
     if not global_tokens > 0:
         raise ValueError(f"global_tokens={global_tokens!r}: pass the tokens of one step, above 0")
-    gpn = options.get("gpus_per_node", DEFAULTS["gpus_per_node"])
+    gpn = options.pop("gpus_per_node", DEFAULTS["gpus_per_node"])
+    if tensor_parallel < 1 or gpn % tensor_parallel:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel!r}: pass a divisor of gpus_per_node={gpn}, so TP stays inside a node"
+        )
+    groups_per_node = gpn // tensor_parallel
 
     def at(nodes: int) -> dict:
-        n = nodes * gpn
-        share = global_tokens / n
-        critical = critical_tokens(params, n, strategy, **{**options, "tokens_per_rank": share})
+        groups = nodes * groups_per_node
+        share = global_tokens / groups
+        options_here = {**options, "tokens_per_rank": share, "gpus_per_node": groups_per_node}
+        critical = critical_tokens(params / tensor_parallel, groups, strategy, **options_here)
         return {
-            "world_size": n,
+            "world_size": groups * tensor_parallel,
             "tokens_per_rank": share,
             "critical_tokens_per_rank": critical["critical_tokens_per_rank"],
         }
@@ -88,7 +103,7 @@ def largest_useful_world_size(
     def busy(row: dict) -> bool:
         return row["tokens_per_rank"] >= row["critical_tokens_per_rank"]
 
-    # A rank's share falls with n and the threshold rises with it, so "busy" holds up to one node count.
+    # A group's share falls with n and the threshold rises with it, so "busy" holds up to one node count.
     low, high = 0, max_ranks // gpn + 1  # busy at `low` nodes (0: none yet), not busy at `high`
     while high - low > 1:
         mid = (low + high) // 2

@@ -263,7 +263,7 @@ def _rank_forward(pieces: Pieces, model: str, steps: int) -> dict:
             pinned[unit] = pinned.get(unit, 0) + t.untyped_storage().nbytes()
     return {
         "loss": loss.item(),
-        "single": loss_fn(oracle(tokens), targets).item(),
+        "oracle": loss_fn(oracle(tokens), targets).item(),
         "trace": trace,
         "held": {u.name: _held_bytes(u) for u in units},
         "others_held": others_held,
@@ -273,7 +273,7 @@ def _rank_forward(pieces: Pieces, model: str, steps: int) -> dict:
 
 
 def _oracle_grads(model: str, device) -> dict[str, torch.Tensor]:
-    """single's gradients of step 0: the full model on the global batch."""
+    """The gradients single computes at step 0: the full model on the global batch."""
     oracle = loop.rank_model(model, 0, device)
     tokens, targets = loop.rank_batch(0, model, 0, 1, 0, device)
     loss_fn(oracle(tokens), targets).backward()
@@ -372,9 +372,9 @@ def _rank_adamw(pieces: Pieces, model: str, steps: int) -> dict:
         "n_held": len(held),
         "n_shards": len(shard_ids),
         "state_bytes": state_bytes(eng.state_tensors())["optimizer"],
-        "single_state_bytes": state_bytes(oracle.state_tensors())["optimizer"],
+        "oracle_state_bytes": state_bytes(oracle.state_tensors())["optimizer"],
         "losses": losses,
-        "single": single,
+        "oracle": single,
     }
 
 

@@ -88,7 +88,7 @@ def run_deepspeed_checks(
                 results[i] = [CheckResult("train_step", False, failed)]
                 continue
             runs = [[r["cases"][j][k] for r in ranks] for k in range(len(thresholds))]
-            results[i] = [said, *_verdicts(runs, ranks[0]["single"], configs, thresholds, model, world_size)]
+            results[i] = [said, *_verdicts(runs, ranks[0]["oracle"], configs, thresholds, model, world_size)]
     if not quiet:
         for case in results:
             for result in case:
@@ -220,7 +220,7 @@ def _rank_cases(cases: list[tuple[list[dict], Callable]], model: str, steps: int
         oracle = SingleEngine(build_model(model), RunConfig(model=model, steps=steps), info.device)
         data = [loop.rank_batch(step, model, 0, 1, 0, info.device) for step in range(steps)]
         single = [loop.timed_step(oracle, step, d)[0].item() for step, d in enumerate(data)]
-    return {"cases": out, "single": single}
+    return {"cases": out, "oracle": single}
 
 
 def _rank_run(

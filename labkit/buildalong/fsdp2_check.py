@@ -94,7 +94,7 @@ def _rank_case(fn: Callable, model: str, steps: int) -> dict:
     if info.rank == 0:
         oracle = SingleEngine(build_model(model), cfg, info.device)
         data = [loop.rank_batch(step, model, 0, 1, 0, info.device) for step in range(steps)]
-        facts["single"] = [loop.timed_step(oracle, step, d)[0].item() for step, d in enumerate(data)]
+        facts["oracle"] = [loop.timed_step(oracle, step, d)[0].item() for step, d in enumerate(data)]
     return facts
 
 
@@ -265,7 +265,7 @@ def _prefetch(r: dict, plan: _Plan) -> CheckResult:
 
 
 def _losses(r: dict, plan: _Plan) -> CheckResult:
-    losses, single = r["losses"], r["single"]
+    losses, single = r["losses"], r["oracle"]
     diffs = [abs(a - b) / abs(b) for a, b in zip(losses, single, strict=True)]
     figures = {"losses": losses, "single": single, "largest_rel_diff": max(diffs)}
     shown = f"losses {[round(x, 6) for x in losses]}, single {[round(x, 6) for x in single]}"

@@ -240,7 +240,7 @@ def _gather_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
 
 def _forward_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
     return {
-        "loss_rel": max(abs(r["loss"] - r["single"]) / abs(r["single"]) for r in ranks),
+        "loss_rel": max(abs(r["loss"] - r["oracle"]) / abs(r["oracle"]) for r in ranks),
         "wire_bytes": _wire(ranks[0]["comm"], "all_gather"),
         "formula_bytes": m.gather_bytes,
         "trace": ranks[0]["trace"],
@@ -251,7 +251,7 @@ def _forward_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | N
     r0 = ranks[0]
     if figures["loss_rel"] > LOSS_RTOL:
         return (
-            f"loss {r0['loss']:.6f} differs from single's {r0['single']:.6f} on the same slice (relative "
+            f"loss {r0['loss']:.6f} differs from single's {r0['oracle']:.6f} on the same slice (relative "
             f"{figures['loss_rel']:.1e}): each parameter must hold exactly gather(shard, d0) while its unit computes"
         )
     held = {u: b for u, b in r0["held"].items() if b}
@@ -408,13 +408,13 @@ def _scatter_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
 
 def _adamw_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
     r0 = ranks[0]
-    pairs = list(zip(r0["losses"], r0["single"], strict=True))
+    pairs = list(zip(r0["losses"], r0["oracle"], strict=True))
     return {
         "loss_rel": max(abs(a - b) / abs(b) for a, b in pairs),
         "losses": r0["losses"],
-        "single": r0["single"],
+        "single": r0["oracle"],
         "state_bytes": r0["state_bytes"],
-        "single_state_bytes": r0["single_state_bytes"],
+        "single_state_bytes": r0["oracle_state_bytes"],
         "steps": steps,
     }
 
@@ -436,7 +436,7 @@ def _adamw_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | Non
         verb = "is" if len(differ) == 1 else "are"
         return f"AdamW's {got} {verb} not the lab's {lab}: take them from RunConfig, as single does"
     if not figures["loss_rel"] <= LOSS_RTOL:
-        at = max(range(len(r0["losses"])), key=lambda i: abs(r0["losses"][i] - r0["single"][i]))
+        at = max(range(len(r0["losses"])), key=lambda i: abs(r0["losses"][i] - r0["oracle"][i]))
         return f"the loss differs from single's by relative {figures['loss_rel']:.1e} (worst at step {at})"
     return None
 
@@ -445,8 +445,8 @@ def _adamw_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
     state, single = figures["state_bytes"], figures["single_state_bytes"]
     return (
         f"loss equal to single's {_tol(figures['loss_rel'])} over {figures['steps']} steps; AdamW holds only this "
-        f"rank's {ranks[0]['n_shards']} shards: its state is {state:,} B per rank, 1/{single / state:.2f} of "
-        f"single's {single:,} B"
+        f"rank's {ranks[0]['n_shards']} shards: its state is {state:,} B per rank, 1/{single / state:.2f} "
+        f"of single's {single:,} B"
     )
 
 

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 from labkit.cli import UsageError
 from labkit.engines import ENGINES
+from labkit.engines.registry import DDP, ORACLE
 from labkit.engines.run_config import DEFAULTS, SETTINGS, RunConfig, Setting
 
 
@@ -97,7 +98,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--engines",
         type=_engine_list,
-        default=["single", "ddp"],
+        default=[ORACLE, DDP],
         help=f"engines to compare, comma-separated, from {','.join(ENGINES)}",
     )
     for name, setting in SETTINGS.items():

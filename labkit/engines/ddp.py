@@ -19,9 +19,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit.engines import activation_checkpointing
 from labkit.engines.base import RankInfo, RunConfig
+from labkit.engines.registry import DDP
 from labkit.engines.single import SingleEngine, state_tensors
 
-NAME = "ddp"
+NAME = DDP
 OPTIONS = ("activation_checkpointing",)  # the cfg.options keys it honours
 
 

@@ -27,10 +27,11 @@ from torch import nn
 from labkit.budget import collective_wire_bytes, padded_flat_numel
 from labkit.engines.base import RankInfo, RunConfig, adamw
 from labkit.engines.ds_config import ds_config
+from labkit.engines.registry import DEEPSPEED
 from labkit.model import loss_fn
 from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, storages
 
-NAME = "deepspeed"
+NAME = DEEPSPEED
 
 # ZeRO++ flags that DeepSpeed accepts in the config but whose kernels exist only for CUDA, and what DeepSpeed
 # itself then does on CPU ranks (measured; the qgZ no-op by tests/test_deepspeed.py's probe run).

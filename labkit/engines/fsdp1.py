@@ -61,10 +61,11 @@ from labkit import cluster
 from labkit.budget import collective_wire_bytes, padded_flat_numel
 from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 from labkit.engines.fsdp2 import device_mesh, hsdp_shard_size
+from labkit.engines.registry import FSDP1
 from labkit.model import block_class
 from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, in_categories
 
-NAME = "fsdp1"
+NAME = FSDP1
 OPTIONS = ("hsdp_shard_size", "reshard_after_forward")  # the cfg.options keys it honours
 
 

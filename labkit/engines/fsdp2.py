@@ -52,9 +52,10 @@ from labkit import cluster
 from labkit.budget import collective_wire_bytes, padded_numel
 from labkit.engines import activation_checkpointing
 from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
+from labkit.engines.registry import FSDP2
 from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, in_categories
 
-NAME = "fsdp2"
+NAME = FSDP2
 OPTIONS = ("hsdp_shard_size", "reshard_after_forward", "activation_checkpointing")  # cfg.options it honours
 
 

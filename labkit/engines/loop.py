@@ -42,6 +42,7 @@ import torch.distributed as dist
 import labkit
 from labkit import cluster
 from labkit.engines.base import ENGINES, Engine, RankInfo, RunConfig
+from labkit.engines.registry import DEEPSPEED
 from labkit.engines.run_config import SETTINGS
 from labkit.model import batch, build_model, count_params
 from labkit.probes import Probes, state_bytes, state_bytes_by_device
@@ -102,7 +103,7 @@ def validate(engines: Sequence[str], cfg: RunConfig) -> None:
                 f"engine {name!r} is not implemented yet (no labkit/engines/{name}.py); "
                 f"available: {', '.join(available_engines())}"
             )
-    if cfg.offload == "nvme" and any(e != "deepspeed" and not single_rank(e) for e in engines):
+    if cfg.offload == "nvme" and any(e != DEEPSPEED and not single_rank(e) for e in engines):
         raise ValueError(
             "offload='nvme' is DeepSpeed's ZeRO-Infinity: only the deepspeed engine swaps to files; "
             "run the others with offload='cpu'"

@@ -1,12 +1,17 @@
 """The engines, each named once: its module, the budget strategy its step follows, the settings it reads.
 
-Torch-free, so the CLI lists and checks engine names without loading torch. Adding an engine is one row of
-`ENGINES` and its module, whose `build(cfg, model, rank_info)` returns an `Engine` (`base.py`).
+Torch-free, so the CLI lists and checks engine names without loading torch. Adding an engine is its name
+below, one row of `ENGINES` and its module, whose `build(cfg, model, rank_info)` returns an `Engine`
+(`base.py`). Code elsewhere names an engine only through these constants.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Each engine's name, spelled here once: everything else that picks an engine by name imports it.
+SINGLE, DDP, SCRATCH, FSDP1, FSDP2, DEEPSPEED = "single", "ddp", "scratch", "fsdp1", "fsdp2", "deepspeed"
+ORACLE = SINGLE  # the engine every other is held to: one rank, the global batch
 
 # The RunConfig settings (`labkit.engines.run_config.SETTINGS`) that only a sharded engine reads.
 SHARDED_SETTINGS = ("prefetch", "prefetch_depth", "reshard_after_forward", "offload")
@@ -34,14 +39,14 @@ class EngineSpec:
 ENGINES: dict[str, EngineSpec] = {
     spec.name: spec
     for spec in (
-        EngineSpec("single", "labkit.engines.single", "ddp", single_rank=True),
-        EngineSpec("ddp", "labkit.engines.ddp", "ddp"),
-        EngineSpec("scratch", "labkit.engines.scratch", "zero3", SHARDED_SETTINGS),
-        EngineSpec("fsdp1", "labkit.engines.fsdp1", "zero3", SHARDED_SETTINGS),
-        EngineSpec("fsdp2", "labkit.engines.fsdp2", "zero3", SHARDED_SETTINGS),
+        EngineSpec(SINGLE, "labkit.engines.single", "ddp", single_rank=True),
+        EngineSpec(DDP, "labkit.engines.ddp", "ddp"),
+        EngineSpec(SCRATCH, "labkit.engines.scratch", "zero3", SHARDED_SETTINGS),
+        EngineSpec(FSDP1, "labkit.engines.fsdp1", "zero3", SHARDED_SETTINGS),
+        EngineSpec(FSDP2, "labkit.engines.fsdp2", "zero3", SHARDED_SETTINGS),
         # Prefetch and resharding are DeepSpeed's own ZeRO-3 knobs (options["zero_overrides"]), not settings.
         EngineSpec(
-            "deepspeed", "labkit.engines.deepspeed", "zero3", ("offload",), checks="labkit.engines.ds_config"
+            DEEPSPEED, "labkit.engines.deepspeed", "zero3", ("offload",), checks="labkit.engines.ds_config"
         ),
     )
 }

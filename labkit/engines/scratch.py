@@ -24,6 +24,7 @@ from labkit.budget import UnitCost, collective_time_s, collective_wire_bytes, pa
 from labkit.budget import exposed_floor as budget_floor
 from labkit.engines import activation_checkpointing
 from labkit.engines.base import RankInfo, RunConfig, compute_dtype
+from labkit.engines.registry import SCRATCH
 from labkit.model import loss_fn
 from labkit.probes.memory import STEP_SCALARS, in_categories
 from labkit.zero import ShardedAdamW, ZeRO3
@@ -31,7 +32,7 @@ from labkit.zero.hooks import unit_plan
 from labkit.zero.hsdp import hsdp_groups
 from labkit.zero.units import INPUT, OUTPUT, UnitSpec
 
-NAME = "scratch"
+NAME = SCRATCH
 OPTIONS = ("hsdp_shard_size", "activation_checkpointing", "split_root")  # cfg.options it honours
 
 

@@ -14,8 +14,9 @@ from torch import nn
 
 from labkit.engines import activation_checkpointing
 from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
+from labkit.engines.registry import SINGLE
 
-NAME = "single"
+NAME = SINGLE
 OPTIONS = ("activation_checkpointing",)  # the cfg.options keys it honours
 
 

@@ -23,6 +23,7 @@ from labkit.engines import fsdp2
 from labkit.engines.base import RankInfo, RunConfig, adamw
 from labkit.engines.ds_config import matched_to_fsdp2
 from labkit.engines.loop import run_many
+from labkit.engines.registry import DEEPSPEED, FSDP2
 
 FSDP2_BLOCKS = "fsdp2, per-block units"
 FSDP2_MODULES = "fsdp2, module units"
@@ -33,7 +34,7 @@ class Fsdp2ModuleUnits:
     """The fsdp2 engine with every module that holds parameters a unit: `fully_shard` on each block and on
     each of the root's modules (tok, pos, ln_f, head), then on the (now parameter-free) root."""
 
-    name = "fsdp2"
+    name = FSDP2
 
     def build(self, cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> fsdp2.Fsdp2Engine:
         n = rank_info.world_size
@@ -64,9 +65,9 @@ def matched_runs(cfg: RunConfig) -> dict[str, tuple[Any, RunConfig]]:
     # DeepSpeed reads no prefetch setting (loop.check_settings would refuse it): its knobs are what stop it.
     ds_cfg = replace(cfg, prefetch=True, options={**cfg.options, **matched_to_fsdp2(cfg.model)})
     return {
-        FSDP2_BLOCKS: ("fsdp2", cfg),
+        FSDP2_BLOCKS: (FSDP2, cfg),
         FSDP2_MODULES: (Fsdp2ModuleUnits(), cfg),
-        DEEPSPEED_MATCHED: ("deepspeed", ds_cfg),
+        DEEPSPEED_MATCHED: (DEEPSPEED, ds_cfg),
     }
 
 

@@ -379,3 +379,31 @@ def group_names() -> Iterator[dict[str, set[str]]]:
 
     with Patch(COUNTED, wrap, outermost=True):
         yield seen
+
+
+# ------------------------------------------------------------------------------- a learner's accumulation step
+
+
+def run_accumulation(
+    step_fn: Callable[..., float], micro_steps: int, seed: int, steps: int = 2
+) -> list[dict]:
+    """Rank side: `steps` optimizer steps of `step_fn(model, optimizer, micro_batches)` (exercise 08's
+    `accumulation_step`) on FSDP2 with the lab's model (`tiny`, seed `seed`), each rank's batch cut into
+    `micro_steps` micro-batches. Per step: `loss` (the global mean of what `step_fn` returned) and
+    `reduce_scatter` ({"calls", "wire_bytes"} this rank sent during the step)."""
+    info = rank_info()
+    cfg = RunConfig(model="tiny", world_size=info.world_size, steps=steps, seed=seed)
+    engine = build_engine(cfg)
+    out = []
+    with Probes(info.rank, info.device) as probes:
+        for step in range(steps):
+            with probes.step(step):
+                loss = step_fn(engine.model, engine.optimizer, micro_batches(step, cfg, micro_steps))
+            sent = probes.comm.summary(step).get("reduce_scatter", {"calls": 0, "wire_bytes": 0})
+            out.append(
+                {
+                    "loss": global_mean([float(loss)]),
+                    "reduce_scatter": {k: sent[k] for k in ("calls", "wire_bytes")},
+                }
+            )
+    return out

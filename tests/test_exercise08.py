@@ -1,0 +1,86 @@
+"""Exercise 08: the solution scores full marks, the pristine exercise 0 (graded, not an error), and two planted
+mistakes in the accumulation step each lose the check of the property they break and only it.
+
+One `labkit grade DIR --gradebook` batch grades the four submissions; the mistakes are edits of the solution's
+answer cell in temporary copies.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from test_grading import answer_checks, labkit_cli, lock_entry, read
+
+from labkit.grading.kit import load
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "08_critical_batch.ipynb"
+EXERCISE = ROOT / "exercises" / "08_critical_batch.ipynb"
+BATCH_TIMEOUT_S = 240  # per submission; generous: 2 shared cores
+CRITICAL, USEFUL, SCATTERS, LOSSES = (c.name for c in load("ex08_critical_batch").checks)
+SYNC_LINE = (
+    "        model.set_requires_gradient_sync(i == k - 1)  # reduce-scatter only after the last micro-batch\n"
+)
+PLANTED = {
+    "always_sync": (SYNC_LINE, ""),  # every micro-step reduce-scatters: the right sum, twice the bytes
+    "sync_first": (
+        SYNC_LINE,
+        "        model.set_requires_gradient_sync(i == 0)\n",
+    ),  # the last backward never reduced
+}
+LOSES = {"always_sync": {SCATTERS}, "sync_first": {LOSSES}}
+
+
+def planted(mistake: str):
+    nb = read(SOLUTION)
+    cell = next(c for c in nb.cells if c.id == "answer-accumulate")
+    old, new = PLANTED[mistake]
+    assert old in cell.source, mistake
+    cell.source = cell.source.replace(old, new)
+    return nb
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("exercise08")
+    folder, report_dir = root / "submissions", root / "grades-reports"
+    folder.mkdir()
+    nbformat.write(read(SOLUTION), folder / "solution.ipynb")
+    nbformat.write(read(EXERCISE), folder / "pristine.ipynb")
+    for mistake in PLANTED:
+        nbformat.write(planted(mistake), folder / f"{mistake}.ipynb")
+    done = labkit_cli(
+        "grade",
+        str(folder),
+        "--gradebook",
+        str(root / "grades.csv"),
+        "--timeout",
+        str(BATCH_TIMEOUT_S),
+        "--jobs",
+        "2",
+    )
+    assert done.returncode == 0, done.stderr
+    return {
+        p.name.removesuffix(".report.json"): json.loads(p.read_text())
+        for p in report_dir.glob("*.report.json")
+    }
+
+
+@pytest.mark.timeout(900)
+def test_the_solution_scores_full_marks_and_the_pristine_exercise_zero(reports):
+    solution, pristine = reports["solution"], reports["pristine"]
+    assert solution["status"] == "graded", solution.get("reason")
+    assert solution["score"] == solution["max_score"] == 10, solution["checks"]
+    assert pristine["status"] == "graded" and pristine["score"] == 0 and lock_entry(pristine)["passed"]
+    assert not any(c["passed"] for c in answer_checks(pristine))
+
+
+@pytest.mark.parametrize("mistake", sorted(PLANTED))
+def test_each_planted_mistake_loses_its_check_and_only_it(reports, mistake):
+    report = reports[mistake]
+    assert report["status"] == "graded", report.get("reason")
+    lost = {c["name"] for c in answer_checks(report) if not c["passed"]}
+    assert lost == LOSES[mistake], report["checks"]
