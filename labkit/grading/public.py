@@ -345,6 +345,83 @@ def _build_cases(ns: dict) -> list:
     return [(result.ok, result.sentence)]
 
 
+# ----------------------------------------------------------------------------- ex08_critical_batch
+
+FACT_MACHINE = (989e12 * 0.4, 50e9, 2)  # the fact sheet's rank: FLOP/s at 40% MFU, NIC bytes/s, bf16 bytes
+
+
+def _critical_cases(ns: dict) -> list:
+    """The fact sheet's threshold as notebook 08 prints it (labkit.budget), and the formula's proportions."""
+    from labkit import budget
+
+    fn = answer(ns, "critical_tokens_per_rank")
+    rate, link, weight = FACT_MACHINE
+    mine = float(fn(rate, link, weight, FACT_RANKS))
+    want = budget.critical_tokens(FACT_PARAMS, FACT_RANKS, link_gbytes=link / 1e9, peak_tflops=989, mfu=0.4)[
+        "critical_tokens_per_rank"
+    ]
+    return [
+        (
+            math.isclose(mine, want, rel_tol=1e-9),
+            f"the fact sheet's rank: {mine:g} tokens, notebook 08's {want:g}",
+        ),
+        (
+            math.isclose(float(fn(rate, 2 * link, weight, FACT_RANKS)), mine / 2, rel_tol=1e-9),
+            "a link twice as fast halves the threshold",
+        ),
+        (
+            math.isclose(float(fn(2 * rate, link, weight, FACT_RANKS)), 2 * mine, rel_tol=1e-9),
+            "a chip twice as fast doubles it",
+        ),
+    ]
+
+
+def _useful_cases(ns: dict) -> list:
+    """By the answer's own threshold: its world size clears it, one more node does not."""
+    critical, useful = answer(ns, "critical_tokens_per_rank"), answer(ns, "largest_useful_world_size")
+    out = []
+    for tokens, per_node in ((4e6, FACT_GROUP), (1e6, 4)):
+        n = useful(tokens, *FACT_MACHINE, per_node)
+        if n is None or n % per_node:
+            out.append((False, f"{tokens:g} tokens, {per_node} per node: {n}, not a whole number of nodes"))
+            continue
+        clears = tokens / n >= float(critical(*FACT_MACHINE, n))
+        beyond = tokens / (n + per_node) < float(critical(*FACT_MACHINE, n + per_node))
+        out.append(
+            (
+                clears and beyond,
+                f"{tokens:g} tokens, {per_node} per node: {n} ranks; clears T* there: {clears}, "
+                f"and {n + per_node} does not: {beyond}",
+            )
+        )
+    return out
+
+
+def _accumulation_cases(ns: dict) -> list:
+    """The exercise's own demonstration (seed 0, 2 ranks): one reduce-scatter per unit per optimizer step, and
+    the losses of `single` on the whole batch."""
+    import labkit
+    from labkit.engines.base import RunConfig
+    from labkit.lessons.production import run_accumulation, single_run
+    from labkit.model import build_model
+
+    steps = labkit.launch(
+        run_accumulation, 2, answer(ns, "accumulate_gradients"), 2, 0, timeout=LAUNCH_TIMEOUT_S
+    )[0]
+    units = len(build_model("tiny").blocks) + 1
+    want = single_run(RunConfig(model="tiny", world_size=2, steps=len(steps)))["losses"]
+    return [
+        (
+            row["reduce_scatter"]["calls"] == units,
+            f"step {i}: {row['reduce_scatter']['calls']} reduce-scatters, one per unit is {units}",
+        )
+        for i, row in enumerate(steps)
+    ] + [
+        (math.isclose(row["loss"], w, rel_tol=1e-5), f"step {i}: loss {row['loss']:.6f}, single's {w:.6f}")
+        for i, (row, w) in enumerate(zip(steps, want, strict=True))
+    ]
+
+
 PUBLIC = {
     "ex01_memory": (
         _public(
@@ -376,6 +453,21 @@ PUBLIC = {
     ),
     "ex07_capstone": (
         _public(f"training on {DEMO_RANKS} ranks matches single", _build_cases, ("shard", "gather")),
+    ),
+    "ex08_critical_batch": (
+        _public(
+            "critical tokens: the fact sheet's and the formula's proportions",
+            _critical_cases,
+            ("critical_tokens_per_rank",),
+        ),
+        _public(
+            "largest useful world size: by your own threshold", _useful_cases, ("largest_useful_world_size",)
+        ),
+        _public(
+            "accumulation on 2 ranks: one reduce-scatter per unit, single's losses",
+            _accumulation_cases,
+            ("accumulate_gradients",),
+        ),
     ),
 }
 

@@ -387,10 +387,10 @@ def group_names() -> Iterator[dict[str, set[str]]]:
 def run_accumulation(
     step_fn: Callable[..., float], micro_steps: int, seed: int, steps: int = 2
 ) -> list[dict]:
-    """Rank side: `steps` optimizer steps of `step_fn(model, optimizer, micro_batches)` (exercise 08's
-    `accumulation_step`) on FSDP2 with the lab's model (`tiny`, seed `seed`), each rank's batch cut into
-    `micro_steps` micro-batches. Per step: `loss` (the global mean of what `step_fn` returned) and
-    `reduce_scatter` ({"calls", "wire_bytes"} this rank sent during the step)."""
+    """Rank side: `steps` optimizer steps on FSDP2 with the lab's model (`tiny`, seed `seed`), each
+    `step_fn(model, micro_batches)` (exercise 08's `accumulate_gradients`: forward and backward over this
+    rank's batch cut into `micro_steps` micro-batches) then AdamW. Per step: `loss` (the global mean of what
+    `step_fn` returned) and `reduce_scatter` ({"calls", "wire_bytes"} this rank sent during the step)."""
     info = rank_info()
     cfg = RunConfig(model="tiny", world_size=info.world_size, steps=steps, seed=seed)
     engine = build_engine(cfg)
@@ -398,7 +398,8 @@ def run_accumulation(
     with Probes(info.rank, info.device) as probes:
         for step in range(steps):
             with probes.step(step):
-                loss = step_fn(engine.model, engine.optimizer, micro_batches(step, cfg, micro_steps))
+                loss = step_fn(engine.model, micro_batches(step, cfg, micro_steps))
+                engine.optimizer_step()
             sent = probes.comm.summary(step).get("reduce_scatter", {"calls": 0, "wire_bytes": 0})
             out.append(
                 {

@@ -91,7 +91,7 @@ def _launch(ns: dict, seed: int) -> list[dict]:
     """One launch of 2 ranks serves both accumulation checks (kept for the same answer and seed)."""
     from labkit.lessons.production import run_accumulation
 
-    fn = answer(ns, "accumulation_step")
+    fn = answer(ns, "accumulate_gradients")
     key = (fn, seed)
     if _last_launch.get("key") is None or any(
         a is not b for a, b in zip(_last_launch["key"], key, strict=True)
@@ -181,7 +181,7 @@ EXERCISE = Exercise(
             3,
             _scatter_probe,
             _scatter_judge,
-            answers=("accumulation_step",),
+            answers=("accumulate_gradients",),
             limit_s=LAUNCH_TIMEOUT_S + 15,
             group="ranks",
         ),
@@ -190,7 +190,7 @@ EXERCISE = Exercise(
             3,
             _loss_probe,
             _loss_judge,
-            answers=("accumulation_step",),
+            answers=("accumulate_gradients",),
             limit_s=LAUNCH_TIMEOUT_S + 15,
             group="ranks",
         ),
