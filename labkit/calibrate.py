@@ -37,6 +37,8 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 PAYLOAD_BYTES = (96_000, 960_000, 3_840_000, 9_600_000)  # full tensors; fp32 elements divisible by 2, 3, 4
 COMPUTE_STEPS = 4  # timed training steps per measurement, after one warm-up step
 COLLECTIVE_REPS = 5  # timed calls per kind and size, after one warm-up call
+REPEATS = 3  # interleaved rounds of the alone and together steps; their medians are kept
+LOAD_CHANGE = 0.5  # a change of the 1-minute load average, per CPU, that `load_changed` reports
 
 
 # ------------------------------------------------------------------------------------------ the fit
@@ -107,17 +109,20 @@ def _collective_s(kind: str, payload_bytes: int, n: int) -> list[float]:
     return out[1:]
 
 
-def _measure_rank(model_name: str, alone_first: bool) -> dict:
-    """On each rank: (rank 0 alone, when asked) the one-rank steps, then every rank's steps at once, then
-    each collective at each size. One thread per rank, as `labkit.engines.loop.train_rank` runs engines."""
+def _measure_rank(model_name: str, alone_first: bool, repeats: int) -> dict:
+    """On each rank, `repeats` rounds of: (rank 0 alone, when asked) the one-rank steps, then every rank's
+    steps at once; then each collective at each size. Interleaving the rounds lets a passing load touch
+    both figures alike; the parent keeps their medians. One thread per rank, as the engines run."""
     torch.set_num_threads(1)
     rank, n = dist.get_rank(), dist.get_world_size()
-    out: dict = {}
-    if alone_first:
-        if rank == 0:
-            out["alone_s"] = _train_steps_s(model_name, 1, 0)
+    out: dict = {"alone_s": [], "together_s": []}
+    for _ in range(repeats):
+        if alone_first:
+            if rank == 0:
+                out["alone_s"] += _train_steps_s(model_name, 1, 0)
+            dist.barrier()
+        out["together_s"] += _train_steps_s(model_name, n, rank)
         dist.barrier()
-    out["together_s"] = _train_steps_s(model_name, n, rank)
     out["collectives"] = {k: {p: _collective_s(k, p, n) for p in PAYLOAD_BYTES} for k in KINDS}
     return out
 
@@ -130,8 +135,20 @@ def _slowest(per_rank: list[list[float]]) -> float:
     return statistics.median(max(times) for times in zip(*per_rank, strict=True))
 
 
-def calibrate(model: str = "small", world_sizes: tuple[int, ...] = (2, 4), timeout_s: float = 120.0) -> dict:
-    """Measure this machine and return its profile (see the module docstring; seconds, bytes, GB/s)."""
+def calibrate(
+    model: str = "small",
+    world_sizes: tuple[int, ...] = (2, 4),
+    timeout_s: float = 120.0,
+    repeats: int = REPEATS,
+) -> dict:
+    """Measure this machine and return its profile (see the module docstring; seconds, bytes, GB/s).
+
+    The compute rate and each core share are medians over `repeats` interleaved rounds of steps; the
+    profile keeps the machine's load average when it was measured (`load_changed` compares a later one).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: pass 1 or more rounds of steps")
+    load_before = list(os.getloadavg())
     cfg = config(model)
     flops_per_token = 6 * count_params(build_model(model))
     sizes = sorted(set(world_sizes))
@@ -140,7 +157,9 @@ def calibrate(model: str = "small", world_sizes: tuple[int, ...] = (2, 4), timeo
     rate = None
     core_share, collectives = {"1": 1.0}, {k: {} for k in KINDS}
     for n in sizes:
-        ranks = labkit.launch(_measure_rank, n, model, rate is None, timeout=timeout_s, device_type="cpu")
+        ranks = labkit.launch(
+            _measure_rank, n, model, rate is None, repeats, timeout=timeout_s * repeats, device_type="cpu"
+        )
         if rate is None:
             rate = flops_per_token * cfg.global_batch * cfg.seq_len / statistics.median(ranks[0]["alone_s"])
         tokens = cfg.global_batch // n * cfg.seq_len
@@ -163,7 +182,9 @@ def calibrate(model: str = "small", world_sizes: tuple[int, ...] = (2, 4), timeo
                 "torch": torch.__version__,
                 "backend": "gloo",
                 "threads_per_rank": 1,
+                "load_average_before": load_before,
                 "load_average": list(os.getloadavg()),
+                "repeats": repeats,
             },
             "model": model,
             "compute_flops_per_s": rate,
@@ -221,6 +242,27 @@ def predicted_step_s(engine: str, cfg: RunConfig, profile: dict) -> float:
     return budget.plan(params, n, strategy, **options)["step_time_s"]
 
 
+def load_changed(profile: dict, now: tuple[float, ...] | None = None) -> str | None:
+    """One sentence when this machine's 1-minute load average before a run (`now`, default
+    `os.getloadavg()`) differs from the one before the profile's calibration by more than `LOAD_CHANGE` per
+    CPU; None when it holds or the profile did not record it. Both are read before any rank starts, so the
+    measurement's own ranks are in neither."""
+    machine = profile.get("machine", {})
+    then = machine.get("load_average_before")
+    if not then:
+        return None
+    now = now or os.getloadavg()
+    cpus = machine.get("cpus") or os.cpu_count() or 1
+    if abs(now[0] - then[0]) <= LOAD_CHANGE * cpus:
+        return None
+    busier = "busier" if now[0] > then[0] else "quieter"
+    return (
+        f"the machine is {busier} than when it was calibrated (1-minute load average {then[0]:.1f} then, "
+        f"{now[0]:.1f} now, on {cpus} CPUs): the calibrated rates may not hold; calibrate again to trust the "
+        "predictions"
+    )
+
+
 def profile_table(profile: dict) -> str:
     """The profile's figures as the text table `labkit calibrate` prints."""
     from labkit.tables import fixed_width
@@ -229,6 +271,12 @@ def profile_table(profile: dict) -> str:
         f"compute, one rank alone ({profile['model']}, one thread): {profile['compute_flops_per_s'] / 1e9:.1f} GFLOP/s",
         "core share per rank: " + ", ".join(f"{n} ranks {s:.2f}" for n, s in profile["core_share"].items()),
     ]
+    machine = profile.get("machine", {})
+    if "load_average_before" in machine:
+        lines.append(
+            f"medians of {machine['repeats']} interleaved rounds; 1-minute load average "
+            f"{machine['load_average_before'][0]:.1f} before, {machine['load_average'][0]:.1f} after"
+        )
     rows = [("collective", "ranks", "latency ms", "GB/s", "residual ms")]
     for kind, by_n in profile["collectives"].items():
         for n, fit in by_n.items():

@@ -34,8 +34,12 @@ def test_fit_line_recovers_an_exact_line_and_is_numpys_least_squares_on_noisy_po
 
 
 def test_a_real_calibration_fits_its_own_measurements_and_round_trips_through_json(tmp_path):
-    profile = calibrate.calibrate("tiny", (2,))
+    profile = calibrate.calibrate("tiny", (2,), repeats=2)
     assert profile["compute_flops_per_s"] > 0 and 0 < profile["core_share"]["2"]
+    machine = profile["machine"]
+    assert (
+        machine["repeats"] == 2 and len(machine["load_average_before"]) == len(machine["load_average"]) == 3
+    )
     for kind in calibrate.KINDS:
         fit = profile["collectives"][kind]["2"]
         wire, seconds = np.array(fit["points"], dtype=float).T
@@ -120,3 +124,20 @@ def test_labkit_budget_machine_prints_the_calibrated_step_and_refuses_a_missing_
         == 2
     )
     assert "cannot read the machine profile" in capsys.readouterr().err
+
+
+def test_a_changed_load_is_said_in_one_sentence_and_a_steady_one_is_not():
+    profile = {**HAND, "machine": {"cpus": 2, "load_average_before": [0.4, 0.5, 0.6]}}
+    assert calibrate.load_changed(profile, (1.3, 0.5, 0.6)) is None  # within 0.5 per CPU of 2 CPUs
+    said = calibrate.load_changed(profile, (2.6, 1.0, 0.7))
+    assert said.startswith(
+        "the machine is busier than when it was calibrated (1-minute load average 0.4 then, 2.6 now"
+    )
+    assert "calibrate again" in said
+    assert calibrate.load_changed(
+        {**profile, "machine": {"cpus": 2, "load_average_before": [3.0]}}, (0.1,)
+    ).startswith("the machine is quieter")
+    assert calibrate.load_changed(HAND, (9.0,)) is None  # a hand-written profile records no load
+    with pytest.raises(ValueError, match="repeats=0"):
+        calibrate.calibrate("tiny", (2,), repeats=0)
+    assert main(["calibrate", "--out", "/dev/null", "--repeats", "0"]) == 2

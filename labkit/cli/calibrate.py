@@ -25,18 +25,31 @@ def _world_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _repeats(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass a whole number of rounds, 1 or more")
+    return int(text)
+
+
 def register(subparsers) -> None:
     """Add the `calibrate` command to the `labkit` parser."""
     p = subparsers.add_parser(
         "calibrate",
         help="measure this machine's compute rate and collective costs for labkit budget's time model",
-        description="Measure, in under a minute, this machine's compute rate for the lab's model (one rank, "
+        description="Measure, in about a minute, this machine's compute rate for the lab's model (one rank, "
         "one thread), the share of it each rank keeps when ranks share the cores, and gloo's latency and "
-        "bandwidth per collective and world size; write them as a machine profile (JSON).",
+        "bandwidth per collective and world size; write them as a machine profile (JSON). The compute figures "
+        "are medians over interleaved rounds, so a passing load moves them less.",
     )
     p.add_argument("--out", metavar="FILE", required=True, help="where to write the profile (JSON)")
     p.add_argument("--model", default="small", help="the lab's model to time (labkit.model.CONFIGS)")
     p.add_argument("--world-sizes", type=_world_sizes, default=(2, 4), help="ranks to measure at, e.g. 2,4")
+    p.add_argument(
+        "--repeats",
+        type=_repeats,
+        default=None,
+        help="interleaved rounds of the compute measurements, whose medians are kept (default 3)",
+    )
     p.set_defaults(func=run)
 
 
@@ -66,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"labkit calibrate: --out {args.out}: cannot write ({e.strerror}); pass a writable path"
         ) from None
-    profile = calibrate.calibrate(args.model, args.world_sizes)
+    repeats = calibrate.REPEATS if args.repeats is None else args.repeats
+    profile = calibrate.calibrate(args.model, args.world_sizes, repeats=repeats)
     print(calibrate.profile_table(profile))
     with open(args.out, "w") as f:
         json.dump(profile, f, indent=1)

@@ -153,13 +153,15 @@ def _group_size(flag: str, value: int | None, world_size: int) -> int | None:
     return size
 
 
-def _predicted_lines(result: dict, cfg, machine: dict) -> str:
+def _predicted_lines(result: dict, cfg, machine: dict, load_before: tuple[float, ...]) -> str:
     """Add each engine's calibrated `predicted_step_s` to its record; the lines that show it beside the measured."""
-    from labkit.calibrate import predicted_step_s
+    from labkit.calibrate import load_changed, predicted_step_s
     from labkit.engines.loop import options_for
     from labkit.tables import median_step_s
 
     lines = ["calibrated labkit.budget step (--machine) against the measured median step:"]
+    if changed := load_changed(machine, load_before):
+        lines.append(f"  note: {changed}")
     for name, record in result["engines"].items():
         record["predicted_step_s"] = predicted_step_s(name, options_for(name, cfg), machine)
         measured = median_step_s(record)
@@ -176,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     from labkit.engines import loop
     from labkit.tables import compare_table
 
+    load_before = os.getloadavg()  # before this command's ranks start, as calibrate reads its own
     try:
         machine = None if args.machine is None else load_machine_profile(args.machine)
     except ValueError as e:
@@ -227,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(compare_table(result))
     if machine is not None:
-        print(_predicted_lines(result, cfg, machine))
+        print(_predicted_lines(result, cfg, machine, load_before))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
