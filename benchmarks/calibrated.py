@@ -102,11 +102,10 @@ def prediction_rows(steps: int, reps: int) -> tuple[list[str], dict]:
         after = calibrate.calibrate("small", (n,))
         profile = mean_profile(before, after)
         drift = after["compute_flops_per_s"] / before["compute_flops_per_s"] - 1
-        changed = calibrate.load_changed(before, tuple(after["machine"]["load_average_before"]))
         rows.append(
             f"| {n} | compute rate before / after the runs: {before['compute_flops_per_s'] / 1e9:.1f} / "
-            f"{after['compute_flops_per_s'] / 1e9:.1f} GFLOP/s ({drift:+.0%}); predicted with their mean"
-            f"{'; ' + changed if changed else ''} | | | | | |"
+            f"{after['compute_flops_per_s'] / 1e9:.1f} GFLOP/s ({drift:+.0%}); predicted with their mean "
+            "| | | | | |"
         )
         for (engine, cfg), m in zip(runs, measured, strict=True):
             label = next(lbl for lbl, c in configs if c == cfg)

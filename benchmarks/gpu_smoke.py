@@ -287,8 +287,8 @@ def _expect(ok: bool, detail: str) -> str:
 
 def _helper_table(cfg, tmp: str) -> list[tuple[str, Any, Any, bool]]:
     """(name, call, verify: result -> detail, runs here) for every notebook's rank-side helper."""
-    from labkit.engines import scratch
     from labkit.lessons import deepspeed_inspect as di
+    from labkit.lessons import engine_inspect
     from labkit.lessons import fsdp2_features as ff
     from labkit.lessons import fsdp2_inspect as fi
 
@@ -326,8 +326,8 @@ def _helper_table(cfg, tmp: str) -> list[tuple[str, Any, Any, bool]]:
     return [
         ("00 all_gather_single / reduce_scatter_single", _gather_and_scatter, gathered, True),
         (
-            "scratch.hook_trace",
-            lambda: scratch.hook_trace("tiny", 1),
+            "engine_inspect.hook_trace",
+            lambda: engine_inspect.hook_trace("tiny", 1),
             lambda t: _expect({m for _, m, _ in t} >= {"before_forward", "after_grad"}, f"{len(t)} moments"),
             True,
         ),

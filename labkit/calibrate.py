@@ -246,7 +246,8 @@ def load_changed(profile: dict, now: tuple[float, ...] | None = None) -> str | N
     """One sentence when this machine's 1-minute load average before a run (`now`, default
     `os.getloadavg()`) differs from the one before the profile's calibration by more than `LOAD_CHANGE` per
     CPU; None when it holds or the profile did not record it. Both are read before any rank starts, so the
-    measurement's own ranks are in neither."""
+    measurement's own ranks are in neither; the average lags, so ranks that ended within the last minute
+    (a calibration just before) still count in it."""
     machine = profile.get("machine", {})
     then = machine.get("load_average_before")
     if not then:

@@ -19,6 +19,7 @@ from labkit import cli
 from labkit.budget import padded_flat_numel
 from labkit.engines import fsdp1, loop
 from labkit.engines.base import RankInfo, RunConfig
+from labkit.lessons import engine_inspect
 from labkit.model import build_model, count_params
 from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS
 from labkit.zero.sharding import flat_layout
@@ -33,7 +34,7 @@ def _runs_then_layout(runs: list[tuple[str, RunConfig]], layout_cfg: RunConfig) 
     for engine, cfg in runs:
         records.append(loop.train_rank(engine, cfg))
         dist.barrier()
-    return records, fsdp1.inspect_flat(layout_cfg)
+    return records, engine_inspect.inspect_flat(layout_cfg)
 
 
 def _launch(n: int, cases: dict[str, RunConfig], layout_cfg: RunConfig) -> tuple[dict, list[list]]:

@@ -171,8 +171,7 @@ def _helpers_under_watch() -> dict[str, dict]:
 
     from labkit.buildalong import checks
     from labkit.buildalong.cells import pieces_from_notebook
-    from labkit.engines import scratch
-    from labkit.lessons import deepspeed_inspect, fsdp2_features, fsdp2_inspect
+    from labkit.lessons import deepspeed_inspect, engine_inspect, fsdp2_features, fsdp2_inspect
 
     placed: dict[int, weakref.ref] = {}  # storage address -> the tensor the function returned
     models = [0]
@@ -189,7 +188,7 @@ def _helpers_under_watch() -> dict[str, dict]:
     loop.to_rank_device = spy
     cfg = RunConfig(model="tiny", world_size=dist.get_world_size(), steps=2)
     helpers = {
-        "scratch.hook_trace": lambda: scratch.hook_trace("tiny", steps=1),
+        "engine_inspect.hook_trace": lambda: engine_inspect.hook_trace("tiny", steps=1),
         "fsdp2_inspect.mixed_precision_by_block": lambda: fsdp2_inspect.mixed_precision_by_block(cfg),
         "fsdp2_inspect.first_step_logs": lambda: fsdp2_inspect.first_step_logs(cfg),
         "fsdp2_features.ignored_params": lambda: fsdp2_features.ignored_params(cfg),

@@ -207,27 +207,3 @@ def exposed_floor(
 
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> ScratchEngine:
     return ScratchEngine(activation_checkpointing.apply(model, cfg), cfg, rank_info)
-
-
-def hook_trace(model_name: str = "tiny", steps: int = 2) -> list[tuple[int, str, str]]:
-    """On this rank, train `steps` scratch steps and return (step, moment, unit) for every hook that fired.
-
-    Run it under `labkit.launch`; the notebook on the scratch engine prints rank 0's list.
-    """
-    import torch.distributed as dist
-
-    from labkit.engines.loop import rank_batch, rank_model
-
-    trace: list = []
-    model = rank_model(model_name)
-    zero = ZeRO3(model, trace=trace)
-    optimizer = ShardedAdamW(zero.shards())
-    out = []
-    for step in range(steps):
-        tokens, targets = rank_batch(step, model_name, 0, dist.get_world_size(), dist.get_rank())
-        loss_fn(model(tokens), targets).backward()
-        zero.finish_backward()
-        optimizer.step()
-        out += [(step, moment, unit) for moment, unit in trace]
-        trace.clear()
-    return out

@@ -5,6 +5,8 @@
     deepspeed_inspect  DeepSpeed's own accounting (comms logger, estimator) beside labkit's probe
     parity             FSDP2 and DeepSpeed at matched granularity, timed in interleaved pairs
     foreign            the scratch engine on torch's own encoder layers, a model the lab did not write
+    engine_inspect     FSDP1's flat parameters and the scratch engine's hook order, read on live ranks (02)
+    roofline           exposed communication against tokens per rank over an emulated link (08)
     production         FSDP2's production surface: accumulation, clipping, meta init, export, resharding
     production_deepspeed  DeepSpeed's: gradient accumulation, torch.autocast, bf16 master weights
 
