@@ -84,3 +84,25 @@ def test_each_planted_mistake_loses_its_check_and_only_it(reports, mistake):
     assert report["status"] == "graded", report.get("reason")
     lost = {c["name"] for c in answer_checks(report) if not c["passed"]}
     assert lost == LOSES[mistake], report["checks"]
+
+
+def test_a_shared_launch_runs_once_per_answers_and_seed_and_keeps_a_failure():
+    from labkit.grading.kit import SharedLaunch
+
+    def answer():
+        return 0
+
+    runs = []
+    shared = SharedLaunch()
+    assert shared.result((answer, 10**9), lambda: runs.append(1) or len(runs)) == 1
+    assert shared.result((answer, 10**9 + 0), lambda: runs.append(1) or len(runs)) == 1  # equal seed: kept
+    assert shared.result((lambda: 0, 10**9), lambda: runs.append(1) or len(runs)) == 2  # other answer: again
+    assert shared.result((answer, 7), lambda: runs.append(1) or len(runs)) == 3  # other seed: again
+
+    def dies():
+        raise RuntimeError("rank 1 died")
+
+    failing = SharedLaunch()
+    for _ in range(2):  # every probe of the group reports the one failure, launched once
+        with pytest.raises(RuntimeError, match="rank 1 died"):
+            failing.result((answer, 1), dies)

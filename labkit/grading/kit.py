@@ -124,6 +124,34 @@ def launch_timeout(default_s: float) -> float:
     return max(1.0, min(default_s, _deadline[0] - time.monotonic() - _LAUNCH_MARGIN_S))
 
 
+class SharedLaunch:
+    """One launch of ranks that several probes of a group read: run again only for other answers (compared
+    by identity) or another seed (by value); a failure is kept too, so every probe that shares it reports
+    the same."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._outcome: Any = None
+
+    def result(self, key: tuple, launch: Callable[[], Any]) -> Any:
+        """`launch()`'s result for `key` (the answers and the seed), launched at most once per key."""
+        if not self._holds(key):
+            try:
+                self._outcome = launch()
+            except Exception as e:  # noqa: BLE001 (kept, so the other probes report the same failure)
+                self._outcome = e
+            self._key = key
+        if isinstance(self._outcome, Exception):
+            raise self._outcome
+        return self._outcome
+
+    def _holds(self, key: tuple) -> bool:
+        """Whether the kept outcome is `key`'s: the same answers (the same objects) and equal other values."""
+        if self._key is None or len(self._key) != len(key):
+            return False
+        return all(a is b or (not callable(a) and a == b) for a, b in zip(self._key, key, strict=True))
+
+
 def load(exercise_id: str) -> Exercise:
     """The `EXERCISE` of module `labkit.grading.checks.<exercise_id>`; LookupError when there is none."""
     if not isinstance(exercise_id, str) or not _ID.match(exercise_id):

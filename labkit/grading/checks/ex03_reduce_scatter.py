@@ -11,6 +11,7 @@ from labkit.grading import ranks
 from labkit.grading.kit import (
     Check,
     Exercise,
+    SharedLaunch,
     answer,
     launch_timeout,
     rng,
@@ -100,25 +101,15 @@ def _rank(reduce_scatter_mean, pack_grads, seed: int) -> dict:
     return {"flat": flat, "calls": calls, "packed": packed}
 
 
-_last_launch: dict = {}
+_shared = SharedLaunch()
 
 
 def _launch(ns: dict, seed: int) -> list[dict]:
     """One launch serves the three probes that need ranks: the result (or failure) is kept for the same answers."""
     fns = answer(ns, "reduce_scatter_mean"), answer(ns, "pack_grads")
-    key = (*fns, seed)
-    held = _last_launch.get("key")
-    if held is None or any(a is not b for a, b in zip(held, key, strict=True)):
-        try:
-            timeout = launch_timeout(LAUNCH_TIMEOUT_S)
-            _last_launch["outcome"] = ranks.launch(_rank, RANKS, *fns, seed, timeout=timeout)
-        except Exception as e:  # noqa: BLE001 (kept, so the other probes report the same failure)
-            _last_launch["outcome"] = e
-        _last_launch["key"] = key
-    outcome = _last_launch["outcome"]
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
+    return _shared.result(
+        (*fns, seed), lambda: ranks.launch(_rank, RANKS, *fns, seed, timeout=launch_timeout(LAUNCH_TIMEOUT_S))
+    )
 
 
 def _flat_probe(ns: dict, seed: int) -> list:

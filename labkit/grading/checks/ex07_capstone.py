@@ -36,7 +36,7 @@ from labkit.grading.checks.ex07_capstone_model import (
     run_config,
     unit_shapes,
 )
-from labkit.grading.kit import Check, Exercise, answer, launch_timeout, tally, tensor_json
+from labkit.grading.kit import Check, Exercise, SharedLaunch, answer, launch_timeout, tally, tensor_json
 
 LAUNCH_TIMEOUT_S = 120.0
 RANKS_LIMIT_S = 150.0  # the six checks share one training run
@@ -110,35 +110,23 @@ def _rank(pieces, seed: int) -> dict:
     }
 
 
-_last_launch: dict = {}
+_shared = SharedLaunch()
 
 
 def _launch(ns: dict, seed: int) -> list[dict]:
     """One training run serves the six probes: the result (or failure) is kept for the same answers."""
+    fns = tuple(answer(ns, name) for name in PIECES)
+    return _shared.result((*fns, seed), lambda: _train(fns, seed))
+
+
+def _train(fns: tuple, seed: int) -> list[dict]:
+    import torch
+
     from labkit.buildalong.scaffold import Pieces
 
-    fns = tuple(answer(ns, name) for name in PIECES)
-    held_fns, held_seed = _last_launch.get("key", ((), None))
-    same = (
-        held_seed == seed
-        and len(held_fns) == len(fns)
-        and all(a is b for a, b in zip(held_fns, fns, strict=True))
-    )
-    if not same:
-        try:
-            import torch
-
-            fns[0](torch.zeros(4, 2), 0, RANKS)  # a stub raises here, with its own message, not from a rank
-            pieces = Pieces(**dict(zip(PIECES, fns, strict=True)))
-            timeout = launch_timeout(LAUNCH_TIMEOUT_S)
-            _last_launch["outcome"] = ranks.launch(_rank, RANKS, pieces, seed, timeout=timeout)
-        except Exception as e:  # noqa: BLE001 (kept, so the other probes report the same failure)
-            _last_launch["outcome"] = e
-        _last_launch["key"] = (fns, seed)
-    outcome = _last_launch["outcome"]
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
+    fns[0](torch.zeros(4, 2), 0, RANKS)  # a stub raises here, with its own message, not from a rank
+    pieces = Pieces(**dict(zip(PIECES, fns, strict=True)))
+    return ranks.launch(_rank, RANKS, pieces, seed, timeout=launch_timeout(LAUNCH_TIMEOUT_S))
 
 
 def _training_probe(ns: dict, seed: int) -> list:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from labkit.budget import closed_form_critical_tokens
 from labkit.grading import ranks
-from labkit.grading.kit import Check, Exercise, answer, close, launch_timeout, rng, tally
+from labkit.grading.kit import Check, Exercise, SharedLaunch, answer, close, launch_timeout, rng, tally
 
 RANKS = 2
 MICRO_STEPS = 2
@@ -84,7 +84,7 @@ def _useful_judge(got: list, seed: int) -> tuple[float, str]:
     return tally(cases)
 
 
-_last_launch: dict = {}
+_shared = SharedLaunch()
 
 
 def _launch(ns: dict, seed: int) -> list[dict]:
@@ -92,22 +92,18 @@ def _launch(ns: dict, seed: int) -> list[dict]:
     from labkit.lessons.production import run_accumulation
 
     fn = answer(ns, "accumulate_gradients")
-    key = (fn, seed)
-    if _last_launch.get("key") is None or any(
-        a is not b for a, b in zip(_last_launch["key"], key, strict=True)
-    ):
-        try:
-            timeout = launch_timeout(LAUNCH_TIMEOUT_S)
-            _last_launch["outcome"] = ranks.launch(
-                run_accumulation, RANKS, fn, MICRO_STEPS, _model_seed(seed), STEPS, timeout=timeout
-            )
-        except Exception as e:  # noqa: BLE001 (kept, so the other probe reports the same failure)
-            _last_launch["outcome"] = e
-        _last_launch["key"] = key
-    outcome = _last_launch["outcome"]
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
+    return _shared.result(
+        (fn, seed),
+        lambda: ranks.launch(
+            run_accumulation,
+            RANKS,
+            fn,
+            MICRO_STEPS,
+            _model_seed(seed),
+            STEPS,
+            timeout=launch_timeout(LAUNCH_TIMEOUT_S),
+        ),
+    )
 
 
 def _model_seed(seed: int) -> int:
