@@ -294,3 +294,15 @@ def test_every_check_passes_the_filled_pieces_on_one_rank():
     results = checks.run_checks([(step, PIECES) for step in checks.STEPS], 1, MODEL, quiet=True)
     assert [r.ok for r in results] == [True] * len(checks.STEPS), [str(r) for r in results]
     assert "cut into 1 shard of ceil(d0/1) rows" in str(results[0]) and "0 of them padding" in str(results[0])
+
+
+def test_the_former_package_name_still_hands_out_the_scaffold_for_old_copies_of_exercise_07():
+    """Copies of exercise 07 handed out before the rename import `Learner, Pieces, Unit` from `labkit.build`."""
+    import labkit.build as former
+    import labkit.buildalong as buildalong
+
+    assert (former.Learner, former.Pieces, former.Unit) == (
+        buildalong.Learner,
+        buildalong.Pieces,
+        buildalong.Unit,
+    )
