@@ -13,7 +13,6 @@ sentence that names it, a stub its "write this piece" sentence; nothing raises a
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -208,8 +207,6 @@ def _clipping_mistake(config: dict) -> str | None:
 def _rank_cases(cases: list[tuple[list[dict], Callable]], model: str, steps: int) -> dict:
     """Rank side: each case at each of its configs (a fresh model each), then single's losses on rank 0."""
     torch.set_num_threads(1)  # one intra-op thread per rank, as the loop runs every engine
-    # DeepSpeed still calls torch.distributed's deprecated collective names; that is not the learner's concern.
-    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
     info = loop.rank_info()
     step_ids = itertools.count()  # each step of each run its own tag in the probe
     # Installed before DeepSpeed's first start: its backend keeps the collective functions it finds then.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -450,6 +451,11 @@ def initialize(
     FusedAdam op, built for CPU ranks too; `torch.optim.AdamW` with `"torch_adam": True`). `build` passes the
     run's AdamW; `labkit.buildalong.deepspeed_check` passes the learner's config alone.
     """
+    # DeepSpeed still calls torch.distributed's deprecated collective names, a warning per call: not the
+    # lesson. Every DeepSpeed engine of the lab starts here, so this is the one place that silences them.
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
+    )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     swap_dir = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("nvme_path")
     return DeepSpeedEngine(engine, swap_dir)

@@ -30,7 +30,6 @@ import importlib.util
 import os
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
@@ -236,10 +235,6 @@ def train_rank(engine: str | EngineBuilder, cfg: RunConfig) -> dict[str, Any]:
     """
     info = rank_info()
     cfg = options_for(engine, cfg)  # each engine sees the options it honours; its record says which
-    # DeepSpeed still calls torch.distributed's deprecated collective names; that is not the reader's concern.
-    warnings.filterwarnings(
-        "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
-    )
     # One intra-op thread per rank for every engine: the same compute per rank, so step times compare the
     # algorithms, not thread counts; and no OpenMP pool, which hangs in a rank forked from a parent that
     # had used one (a notebook that computed before launching).

@@ -8,7 +8,6 @@ term of DeepSpeed's state with its size, summing to what the probe measures.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -30,13 +29,6 @@ NOT_CARRIED = {
 }
 
 
-def _quiet_deprecations() -> None:
-    # DeepSpeed still calls torch.distributed's deprecated collective names (the loop silences this too).
-    warnings.filterwarnings(
-        "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
-    )
-
-
 def own_accounting_beside_probe(cfg: RunConfig) -> dict[str, Any]:
     """A deepspeed engine with its comms logger on, trained `cfg.steps` steps under labkit's probe.
 
@@ -44,7 +36,6 @@ def own_accounting_beside_probe(cfg: RunConfig) -> dict[str, Any]:
     beside labkit's (the probe's calls and payload bytes since the probe was installed, before init; the
     itemised state bytes of this rank; `state_terms`) and the losses.
     """
-    _quiet_deprecations()
     cfg = replace(cfg, options={**cfg.options, "comms_logger": True})
     info = rank_info()
     model = rank_model(cfg.model, cfg.seed, info.device)
@@ -132,7 +123,6 @@ def tensors_outside_state(engine: ds_engine.DeepSpeedEngine) -> dict[str, int]:
 
 def itemise_state(cfg: RunConfig) -> dict[str, Any]:
     """Rank side, for `labkit.launch`: build the deepspeed engine, train `cfg.steps` steps, `state_terms`."""
-    _quiet_deprecations()
     engine = ds_engine.build(cfg, rank_model(cfg.model, cfg.seed), rank_info())
     losses = train_steps(engine, cfg)
     return {**state_terms(engine, cfg), "losses": losses}

@@ -8,7 +8,6 @@ master weights and gradients (`bf16_master_weights_and_grads`). Each builds the 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -24,10 +23,6 @@ from labkit.probes import Probes
 
 def build_engine(cfg: RunConfig, **sections: Any) -> deepspeed_engine.DeepSpeedEngine:
     """The deepspeed engine on fresh weights, `ds_config(cfg)` with the top-level `sections` replaced."""
-    # DeepSpeed still calls torch.distributed's deprecated collective names: a warning per call, not the lesson.
-    warnings.filterwarnings(
-        "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
-    )
     info = rank_info()
     model = rank_model(cfg.model, cfg.seed)
     config = ds_config(cfg, info.world_size) | sections
