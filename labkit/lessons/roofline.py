@@ -103,15 +103,13 @@ def sweep(
 
 def rate(model: str, tokens: float, compute_s: float) -> float:
     """FLOP/s one rank computed at: 6 x parameters x `tokens` over `compute_s` seconds."""
-    return 6 * count_params(build_model(model.partition("@")[0])) * tokens / compute_s
+    return 6 * count_params(build_model(model)) * tokens / compute_s
 
 
-def link_for(
-    model: str, world_size: int, critical_tokens: float, flops_per_s: float, weight_bytes: int = 4
-) -> float:
-    """The link (GB/s) that puts the closed form's T* at `critical_tokens` for a rank computing `flops_per_s`."""
-    ring = (world_size - 1) / world_size
-    return weight_bytes / 2 * ring * flops_per_s / critical_tokens / 1e9
+def link_for(world_size: int, critical_tokens: float, flops_per_s: float, weight_bytes: int = 4) -> float:
+    """The link (GB/s) that puts the closed form's T* at `critical_tokens` for a rank computing `flops_per_s`
+    (T* is inversely proportional to the link: its value on a 1 B/s link over the one wanted)."""
+    return closed_form_critical_tokens(flops_per_s, 1.0, weight_bytes, world_size) / critical_tokens / 1e9
 
 
 def closed_form_crossover(
@@ -129,10 +127,9 @@ def closed_form_crossover(
     for (t0, g0), (t1, g1) in pairwise(gaps):
         if g0 >= 0 >= g1:
             t = t0 + (t1 - t0) * g0 / (g0 - g1) if g0 != g1 else t0
-            return {
-                "tokens_per_rank": t,
-                "flops_per_s": link_gbytes * 1e9 * t * 2 / weight_bytes * world_size / (world_size - 1),
-            }
+            # T* is proportional to the rate: the rate whose T* is t is t over T* at 1 FLOP/s.
+            per_flop = closed_form_critical_tokens(1.0, link_gbytes * 1e9, weight_bytes, world_size)
+            return {"tokens_per_rank": t, "flops_per_s": t / per_flop}
     raise ValueError(
         "the sweep does not straddle the closed form's crossover; sweep smaller and larger batches"
     )
