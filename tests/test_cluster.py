@@ -216,3 +216,24 @@ def test_a_rank_waiting_in_a_collective_is_said_before_the_timeout(capsys, monke
         and " s inside barrier (a rank that never" in said[0]
     )
     assert said[0].endswith("the launch stops at timeout=60 s and says what each rank was doing")
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_launched_rank_leaves_without_the_interpreters_teardown_and_keeps_its_status(launched):
+    """Under a launcher the command's status comes back but atexit work (the teardown that aborted) is skipped."""
+    code = textwrap.dedent(
+        """
+        import atexit, sys
+        import labkit.cluster
+        atexit.register(lambda: print("teardown ran"))
+        from labkit.cli import main
+        sys.exit(main(["budget", "--params", "1e9", "--world-size", "-8"]))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE")}
+    if launched:
+        env["TORCHELASTIC_RUN_ID"] = "test"
+    done = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr  # the bad flag's one sentence, status kept
+    assert "--world-size" in done.stderr and "Traceback" not in done.stderr
+    assert ("teardown ran" in done.stdout) is not launched

@@ -313,6 +313,7 @@ def test_deepspeed_runs_under_the_deepspeed_launcher(tmp_path):
             losses = labkit.launch(fn, 2, RunConfig(world_size=2, steps=3))
             if os.environ["RANK"] == "0":
                 print("LOSSES", losses[0])
+            labkit.cluster.leave_launched_rank(0)
             """
         )
     )
@@ -397,6 +398,7 @@ def test_quantized_gradients_under_the_deepspeed_launcher_on_cpu_change_nothing_
         textwrap.dedent(
             """
             import json, os, sys
+            from labkit import cluster
             from labkit.engines import deepspeed as dse, loop
             from labkit.engines.base import RunConfig
 
@@ -406,6 +408,7 @@ def test_quantized_gradients_under_the_deepspeed_launcher_on_cpu_change_nothing_
             if os.environ["RANK"] == "0":
                 kept = {k: {"losses": r["losses"], "comm": r["comm"]} for k, r in records.items()}
                 sys.stdout.write("RECORDS " + json.dumps(kept) + "\\n")
+            cluster.leave_launched_rank(0)
             """
         )
     )

@@ -49,7 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `labkit` console script; returns the exit status."""
+    """Entry point of the `labkit` console script; returns the exit status.
+
+    A rank that torchrun or the DeepSpeed launcher started (a command that imported `labkit.cluster` under
+    one) does not return: it leaves through `cluster.leave_launched_rank`, which skips the interpreter's
+    teardown.
+    """
+    status = _run_command(argv)
+    if "labkit.cluster" in sys.modules:
+        from labkit import cluster
+
+        if cluster.under_launcher():
+            cluster.leave_launched_rank(status)
+    return status
+
+
+def _run_command(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
