@@ -48,12 +48,8 @@ def micro_batches(step: int, cfg: RunConfig, k: int) -> list[tuple[torch.Tensor,
 
 def phase_comm(probes: Probes, first_call: int, last_call: int | None = None) -> dict[str, dict[str, int]]:
     """{kind: {"calls", "wire_bytes"}} of the probe's calls [first_call, last_call): one phase of a step."""
-    out: dict[str, dict[str, int]] = {}
-    for call in probes.comm.calls[first_call:last_call]:
-        row = out.setdefault(call.kind, {"calls": 0, "wire_bytes": 0})
-        row["calls"] += 1
-        row["wire_bytes"] += call.wire_bytes
-    return out
+    tally = probes.comm.summary(window=slice(first_call, last_call))
+    return {kind: {"calls": row["calls"], "wire_bytes": row["wire_bytes"]} for kind, row in tally.items()}
 
 
 def global_mean(values: list[float]) -> float:

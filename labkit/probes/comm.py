@@ -144,10 +144,13 @@ class CommProbe:
         if self._patch.installed:
             self._patch.remove()
 
-    def summary(self, step: int | None = None) -> dict[str, dict[str, int]]:
-        """{kind: {"calls", "payload_bytes", "wire_bytes"}} over the calls of `step` (all calls if None)."""
+    def summary(self, step: int | None = None, window: slice = slice(None)) -> dict[str, dict[str, int]]:
+        """{kind: {"calls", "payload_bytes", "wire_bytes"}} over the calls of `step` (all calls if None).
+
+        `window` narrows the tally to a slice of the calls in the order they were made (one phase of a step).
+        """
         out: dict[str, dict[str, int]] = {}
-        for call in self.calls:
+        for call in self.calls[window]:
             if step is not None and call.step != step:
                 continue
             row = out.setdefault(call.kind, {"calls": 0, "payload_bytes": 0, "wire_bytes": 0})
