@@ -202,6 +202,7 @@ def test_04_offload_scale_model_and_measured(executed):
     assert "largest relative loss difference to the scratch run: 0.0e+00" in text
     # ZeRO-Infinity for real: the master partition and both moments (12 B/param / n) in rank 0's files.
     assert re.search(r"swap files, optimizer: [\d,]+ B = 12\.\d B/param / n", text)
+    assert "in memory, optimizer state: 4 B (only AdamW's step counter" in text  # STEP_SCALAR_BYTES
     assert float(re.search(r"difference to single: (\S+)", text).group(1)) < 1e-5
     # DeepSpeed's state rises under optimizer offload by the fp32 gradient partition it keeps for CPU Adam
     rise = re.search(
@@ -227,6 +228,7 @@ def test_05_fsdp2_features(executed):
     assert max(abs(a - b) / b for a, b in zip(before, after, strict=True)) < 1e-5, (before, after)
     assert "1 pre_forward lines" not in text.split("root only")[0]  # the correct wrap logs every block
     assert "all-gathers in the step: 1, " in text and "= 100% of the model's parameters" in text
+    assert re.search(r"--- one rank: [1-9]\d* pre_forward lines, all-gathers in the step: 0 ", text), text
     # labkit's own ZeRO-3 on PyTorch's nn.TransformerEncoder (widths 3 ranks do not divide): = single, bytes.
     encoder = re.search(r"losses \[.*\] vs single: largest relative difference (\S+)", text)
     assert encoder and float(encoder.group(1)) < 1e-4, text
