@@ -18,7 +18,7 @@ Checks, each one row (passed / FAILED / skipped, with why, and its seconds):
 - offload: host offload of scratch, fsdp1, fsdp2 and deepspeed on CUDA (optimizer state on "cpu"), NVMe
   offload and ZeRO++ quantization (refused in one sentence when their CUDA op could not be built);
 - 1-GPU hub: with CUDA_VISIBLE_DEVICES naming one GPU, a parent that has initialised CUDA launches 2
-  CPU ranks (spawned), a comparison at world_size 2 runs `single` on CPU too, and notebooks 00-07 run
+  CPU ranks (spawned), a comparison at world_size 2 runs `single` on CPU too, and notebooks 00-08 run
   under papermill with their defaults (world sizes 2-4 on CPU ranks), after the GPU checks, two at a
   time, each under its own limit (not the smoke's budget);
 - benchmark: `benchmarks/gpu.py`'s step times and stream overlap, short, if time is left.
@@ -605,7 +605,7 @@ def check_hub(gpu: str) -> str:
 
 
 class Notebooks:
-    """Notebooks 00-07 under papermill with one visible GPU (their world sizes 2-4: CPU ranks), `parallel`
+    """Notebooks 00-08 under papermill with one visible GPU (their world sizes 2-4: CPU ranks), `parallel`
     at a time, each stopped at its own limit."""
 
     def __init__(self, gpu: str, parallel: int = 2):

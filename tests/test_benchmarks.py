@@ -37,6 +37,20 @@ def test_the_gpu_scripts_refuse_without_cuda_in_one_sentence(tmp_path, script, s
     assert not (tmp_path / "r.md").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run the GPU scripts themselves")
+def test_the_gpu_session_refuses_an_unknown_part_and_reports_a_missing_gpu_under_out(tmp_path):
+    """The prepared device call: PART is checked first; on a CPU machine the smoke's own sentence lands in
+    $OUT, with its exit status, where the device tool brings files back from."""
+    script = ["bash", ROOT / "benchmarks" / "gpu_session.sh"]
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PY": sys.executable}
+    bad = subprocess.run(script, env=env | {"PART": "all"}, capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.strip() == "gpu_session.sh: PART=all; pass smoke or bench"
+    done = subprocess.run(script, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "smoke.log").read_text()
+    assert "no CUDA device is visible here" in log and log.endswith("gpu_smoke.py exit status 2\n"), log
+
+
 def results_figures(markdown: str) -> dict:
     """The figures of benchmarks/results.md that the README quotes: the run's date, each step-time row
     {(model, ranks, dtype): (scratch s, fsdp2 s, ratio)}, each exposed-comm ratio, the probes' cost and the
