@@ -6,8 +6,9 @@
 #   PART=bench            benchmarks/gpu.py's MFU table and one profiled step per engine at world size 1
 #                         (the Perfetto traces in one tar: at most 8 files come back)  run's timeout_s: 400
 # Every report goes under $OUT. Commit benchmarks/results-gpu.md (the MFU table) and the smoke's report.
-#   here, once:  echo /.whl/ >> .git/info/exclude
-#                HEADLESS=1 SKIP="numpy matplotlib" ../shared/tools/offline-wheels.sh .whl 3.12
+#   here, once:  mkdir -p .git/info && echo /.whl/ >> .git/info/exclude
+#                HEADLESS=1 SKIP="numpy matplotlib ..." ../shared/tools/offline-wheels.sh .whl 3.12
+#                (SKIP: what the machine's image already holds, ../.library/device/KINDS.md; about 25 MB is left)
 #   there:       bash benchmarks/gpu_session.sh   (carry [".whl"])
 set -uo pipefail
 out=${OUT:-artifacts/gpu}
