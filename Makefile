@@ -24,13 +24,17 @@ ROOT   := $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: setup
 	$(VENV)/bin/jupyter lab --notebook-dir notebooks --port $(PORT) $(ROOT) $(ARGS)
 
-test: setup
+test: tests/apt.txt setup
 	scripts/install-debian-packages binder/apt.txt tests/apt.txt
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Side-by-side engine benchmarks (not part of the test suite): medians and ratios into benchmarks/results.md.
-bench: setup
+bench: benchmarks/run_all.py setup
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
+
+# The student release (`labkit release --student`) has neither folder: say so before any set-up starts.
+tests/apt.txt benchmarks/run_all.py:
+	@echo "make: this copy has no $(@D)/: the student release of the course leaves the test suite and the benchmarks out" >&2; exit 2
 
 lint: setup
 	$(VENV)/bin/ruff check .

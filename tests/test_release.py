@@ -92,6 +92,19 @@ def test_release_holds_the_course_and_no_solutions_or_grader_checks(release: Pat
     assert not (release / "docs" / "instructor.md").exists() and (release / "docs" / "cheatsheets").is_dir()
 
 
+@pytest.mark.parametrize(("target", "folder"), [("test", "tests"), ("bench", "benchmarks")])
+def test_make_targets_the_release_cannot_run_say_so_before_any_set_up(
+    release: Path, target: str, folder: str
+):
+    done = subprocess.run(["make", target], cwd=release, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[0] == (
+        f"make: this copy has no {folder}/: the student release of the course leaves the test suite and the "
+        "benchmarks out"
+    )
+    assert not (release / ".venv").exists()  # nothing was set up first
+
+
 def test_no_line_of_answer_code_is_anywhere_in_the_release(release: Path):
     lines = _answer_code_lines()
     assert len(lines) >= 80, len(lines)
