@@ -14,11 +14,12 @@ set -uo pipefail
 out=${OUT:-artifacts/gpu}
 part=${PART:-smoke}
 py=${PY:-python3}  # the machine's Python with its own torch
+wheels=${WHEELS:-.whl}  # the carried wheels' folder
 case $part in smoke | bench) ;; *) echo "gpu_session.sh: PART=$part; pass smoke or bench" >&2; exit 2 ;; esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl ||
     { echo "gpu_session.sh: the carried wheels did not install" >&2; exit 1; }
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi

@@ -40,9 +40,9 @@ def test_the_gpu_scripts_refuse_without_cuda_in_one_sentence(tmp_path, script, s
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run the GPU scripts themselves")
 def test_the_gpu_session_refuses_an_unknown_part_and_reports_a_missing_gpu_under_out(tmp_path):
     """The prepared device call: PART is checked first; on a CPU machine the smoke's own sentence lands in
-    $OUT, with its exit status, where the device tool brings files back from."""
+    $OUT, with its exit status, where the device tool brings files back from (no wheels carried here)."""
     script = ["bash", ROOT / "benchmarks" / "gpu_session.sh"]
-    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PY": sys.executable}
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PY": sys.executable, "WHEELS": str(tmp_path)}
     bad = subprocess.run(script, env=env | {"PART": "all"}, capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.strip() == "gpu_session.sh: PART=all; pass smoke or bench"
     done = subprocess.run(script, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
