@@ -83,6 +83,27 @@ def provide_single_names() -> list[str]:
     return given
 
 
+def late_bound(namespace: dict) -> list[str]:
+    """Rebind each name in `namespace` that holds a collective function itself (`from torch.distributed
+    import reduce_scatter_single` in a notebook cell) to one that looks the function up on `distributed_c10d`
+    at each call, so patches installed later (and in forked ranks) see those calls; the names rebound."""
+    originals = {id(getattr(distributed_c10d, n)): n for n in COLLECTIVES if hasattr(distributed_c10d, n)}
+    rebound = []
+    for key, value in list(namespace.items()):
+        name = originals.get(id(value))
+        if name is not None and callable(value):
+            namespace[key] = functools.update_wrapper(_by_name(name), value)
+            rebound.append(key)
+    return rebound
+
+
+def _by_name(name: str) -> Callable:
+    def call(*args, **kwargs):
+        return getattr(distributed_c10d, name)(*args, **kwargs)
+
+    return call
+
+
 def held_by_reference() -> list[tuple[object, str]]:
     """(object, attribute) where a library keeps a collective function it took by reference: DeepSpeed's
     torch comm backend (`deepspeed.comm.comm.cdb`, built once per process) holds `all_gather_function`

@@ -1,7 +1,7 @@
 """The grader: solutions get full marks, pristine exercises 0 (status graded), and hostile submissions
 built from the real exercises get the status and score the contract states.
 
-Most cases share one batch of 32 submissions graded by `labkit grade DIR --gradebook` with a roster, a
+Most cases share one batch of 33 submissions graded by `labkit grade DIR --gradebook` with a roster, a
 deadline, a class seed and a memory limit (the expensive part: about 25 papermill runs). Two side runs start
 before it and run beside it: a submission whose gather hangs (short limits) and a hostile one (a memory bomb,
 a fork bomb, a socket to this machine, another student's file) under --memory-limit and the sandbox. The
@@ -93,6 +93,7 @@ def min_ranks_to_fit(params, gpu_bytes, strategy):
 
 
 SOL02 = ROOT / "solutions" / "02_shard_gather.ipynb"
+SOL03 = ROOT / "solutions" / "03_reduce_scatter.ipynb"
 WRONG_PADDING = """def shard_rows(full, rank, world_size):
     rows = full.shape[0] // world_size + 1  # wrong: ceil(d0 / n) is not d0 // n + 1 when n divides d0
     shard = full.new_zeros((rows, *full.shape[1:]))
@@ -110,6 +111,25 @@ SKIPPING_GATHER = """def gather_full(shard, d0, world_size):
 """
 
 
+NAMED_COLLECTIVE = """from torch.distributed import reduce_scatter_single  # imported by name: still seen
+
+
+def reduce_scatter_mean(flat_grad, world_size):
+    chunk = -(-flat_grad.numel() // world_size)
+    padded = flat_grad.new_zeros(chunk * world_size)
+    padded[: flat_grad.numel()] = flat_grad.reshape(-1)
+    out = flat_grad.new_empty(chunk)
+    reduce_scatter_single(out, padded)
+    return out / world_size
+"""
+RUNTIME_SHARD = """import importlib
+
+
+def shard_rows(full, rank, world_size):  # labkit's own, by a module name built at run time
+    return importlib.import_module("labkit." + "zero.sharding").shard_dim0(full, rank, world_size)
+"""
+
+
 def wrong_padding_shard(full, rank: int, world_size: int):
     rows = full.shape[0] // world_size + 1
     shard = full.new_zeros((rows, *full.shape[1:]))
@@ -119,7 +139,7 @@ def wrong_padding_shard(full, rank: int, world_size: int):
 
 
 def build_batch(folder: Path, report_dir: Path) -> dict[str, str]:
-    """Write the 32 submissions; returns {file name: what it is}."""
+    """Write the 33 submissions; returns {file name: what it is}."""
     kinds: dict[str, str] = {}
 
     def put(name: str, nb, kind: str) -> None:
@@ -174,10 +194,11 @@ def build_batch(folder: Path, report_dir: Path) -> dict[str, str]:
         nb.metadata["labkit"]["exercise"] = ex_id
         put(name, nb, "unknown")
     put("padding02.ipynb", edited(SOL02, "answer-shard", WRONG_PADDING, append=False), "padding02")
-    library = edited(SOL02, "answer-shard", LIBRARY_SHARD, append=False)
+    library = edited(SOL02, "answer-shard", RUNTIME_SHARD, append=False)
     next(c for c in library.cells if c.id == "answer-gather").source = SKIPPING_GATHER
     put("library_skip02.ipynb", library, "library_skip02")
-    assert len(kinds) == 32
+    put("by_name03.ipynb", edited(SOL03, "answer-flat", NAMED_COLLECTIVE, append=False), "by_name03")
+    assert len(kinds) == 33
     for name in kinds:
         stamp = LATE if name == "padding02.ipynb" else ON_TIME
         os.utime(folder / name, (stamp, stamp))
@@ -485,7 +506,7 @@ def test_the_gradebook_has_a_row_per_submission_and_per_absent_student(batch):
     [absent] = [row for row in rows if not row["file"]]
     assert (absent["student"], absent["status"], absent["score"]) == ("zoe", "missing", "0")
     progress = [line for line in batch["stdout"].splitlines() if line.startswith("[")]
-    assert len(progress) == 32 and progress[-1].startswith("[32/32]")
+    assert len(progress) == 33 and progress[-1].startswith("[33/33]")
 
 
 def test_the_canvas_import_has_every_rostered_student(batch):
@@ -520,13 +541,18 @@ def test_a_wrong_padding_formula_loses_points_in_a_real_grade(batch):
     assert "ranks, rank" in shard["feedback"], shard
 
 
-def test_labkits_own_answer_earns_nothing_and_is_named(batch):
+def test_labkits_own_answer_imported_at_run_time_earns_nothing_and_is_named(batch):
     r = batch["reports"]["library_skip02.ipynb"]
     shard = answer_checks(r)[0]
-    assert shard["points"] == 0 and "labkit.zero.sharding.shard_dim0" in shard["feedback"], shard
-    assert r["integrity"] == [{"cell": "answer-shard", "uses": ["labkit.zero.sharding.shard_dim0"]}]
+    assert shard["points"] == 0 and "uses labkit.zero.sharding, labkit's own" in shard["feedback"], shard
+    assert r["integrity"] == [{"cell": "answer-shard", "uses": ["labkit.zero.sharding"]}]
     row = next(row for row in batch["rows"] if row["file"] == r["file"])
     assert "labkit's own implementation" in row["warning"]
+
+
+def test_a_collective_imported_by_name_is_seen_by_the_graders_probes(batch):
+    r = batch["reports"]["by_name03.ipynb"]
+    assert r["score"] == r["max_score"] == 8, answer_checks(r)
 
 
 def test_a_rank_that_skips_a_collective_is_named(batch):
@@ -743,6 +769,10 @@ def test_seeds_are_reproducible_and_per_student():
         ("import importlib\nm = importlib.import_module('labkit.zero.sharding')", ["labkit.zero"]),
         (WRONG_PADDING, []),
         ("def gather_full(s, d0, n):\n    return labkit.launch(print, 1)", []),
+        (  # the grader's own code: its reference answers and its probes, in every exercise
+            "from labkit.grading.checks.ex02_shard import _full\nshard_rows = _full",
+            ["labkit.grading.checks.ex02_shard._full"],
+        ),
     ],
 )
 def test_the_integrity_rule_reads_the_answer_cells(source, uses):
@@ -776,6 +806,41 @@ def test_an_answer_that_is_labkits_own_function_is_found_in_the_namespace():
         exercise.allowed,
     )
     assert found == {"pack_grads": "labkit.zero.sharding.shard_dim0"}  # dim0_rows is handed out on purpose
+
+
+RUNTIME_IMPORT = """import importlib
+
+
+def shard_rows(full, rank, world_size):
+    impl = importlib.import_module("labkit." + "zero.sharding")  # a name the source rule cannot read
+    return getattr(impl, "shard_" + "dim0")(full, rank, world_size)
+
+
+def gather_full(shard, d0, world_size):
+    return __import__("lab" + "kit.zero", fromlist=["comm"])
+"""
+
+
+def test_the_import_watch_sees_modules_an_answer_imports_by_a_name_built_at_run_time(tmp_path):
+    import torch
+
+    exercise = load("ex02_shard")
+    cells = [{"id": "answer-shard", "role": "answer", "source": RUNTIME_IMPORT}]
+    assert integrity.scan(cells, exercise.forbidden, exercise.allowed) == {}  # the source rule misses it
+    watch = integrity.ImportWatch(exercise.forbidden, exercise.allowed, ["answer-shard"], tmp_path / "log")
+    namespace: dict = {}
+    watch.install()
+    try:
+        exec(compile(RUNTIME_IMPORT, "<cell answer-shard>", "exec"), namespace)
+        import importlib
+
+        importlib.import_module("labkit.zero.sharding")  # not an answer cell's frame: not noted
+        assert watch.found() == {}
+        namespace["shard_rows"](torch.ones(4, 2), 0, 2)
+        namespace["gather_full"](None, 0, 2)
+    finally:
+        watch.remove()
+    assert watch.found() == {"answer-shard": ["labkit.zero.comm", "labkit.zero.sharding"]}
 
 
 def _enter(name: str, *shapes) -> dict:

@@ -173,6 +173,20 @@ def test_patches_stack_tracker_then_probe_then_a_watcher_and_come_off_in_reverse
         assert r["tracker_status"].startswith("returned from all_reduce (collective #")  # it saw every call
 
 
+def test_a_collective_imported_by_name_is_looked_up_at_each_call():
+    from torch.distributed import all_gather_single, reduce_scatter_single
+
+    from labkit.collectives import Patch, late_bound
+
+    namespace = {"ag": all_gather_single, "rs": reduce_scatter_single, "other": len}
+    assert sorted(late_bound(namespace)) == ["ag", "rs"] and namespace["other"] is len
+    assert namespace["ag"].__name__ == "all_gather_single"
+    seen = []
+    with Patch(["all_gather_single"], lambda name, fn: lambda *a, **k: seen.append((name, a))):
+        namespace["ag"]("out", "in")  # a patch installed after the import sees the call
+    assert seen == [("all_gather_single", ("out", "in"))]
+
+
 def _deepspeed_backend_built_before_the_probe() -> dict:
     """DeepSpeed's comm backend built before the probe, holding torch's function by reference as on torch
     2.11 (where `all_gather_into_tensor` does its work itself instead of calling the module's new name)."""

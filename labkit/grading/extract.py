@@ -3,7 +3,8 @@
 JOB (written by the grader) names the exercise, the seed, the time limits and the cells to run: the pristine
 exercise's `parameters` and `setup` cells and the submission's `answer` cells, in notebook order. This process
 imports the check module first and runs each cell in one namespace, each under its own time limit (a cell that
-raises or runs past it is recorded, and the next one runs). Then each group of checks (see
+raises or runs past it is recorded, and the next one runs), while `integrity.ImportWatch` notes the forbidden
+modules the answer cells import. Then each group of checks (see
 `labkit.grading.kit`) runs its probes in a forked child of its own, under the group's limit: a probe that
 hangs, crashes or exhausts a resource costs only its own checks, and the report says where it was stopped.
 OUT gets the observations after every group. Nothing here is trusted: OUT is data for the grader's judges.
@@ -22,6 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
+from labkit import collectives
 from labkit.grading import integrity
 from labkit.grading.kit import Check, group_limit_s, load, probe_one, set_deadline
 from labkit.grading.sandbox import signal_name
@@ -196,6 +198,10 @@ def main(argv: list[str]) -> int:
     progress = out_path.with_name("progress.txt")
     sources = {c["id"]: c["source"] for c in job["cells"]}
     namespace: dict = {"__name__": "__main__"}
+    answers = [c["id"] for c in job["cells"] if c["role"] == "answer"]
+    watch = integrity.ImportWatch(
+        exercise.forbidden, exercise.allowed, answers, out_path.with_name("imports.log")
+    ).install()
     ran = []
     for c in job["cells"]:
         progress.write_text(f"cell {c['id']!r}")
@@ -211,12 +217,15 @@ def main(argv: list[str]) -> int:
         "cells": ran,
         "observations": {},
         "origins": integrity.answer_origins(namespace, names, exercise.forbidden, exercise.allowed),
+        "imports": watch.found(),
     }
     _write(out_path, data)
+    collectives.late_bound(namespace)  # a collective imported by name is still seen by the probes' patches
     for group in exercise.groups():
         progress.write_text(f"check {group[0].name!r}")
         limit_s = group_limit_s(group, check_limit_s)
         data["observations"].update(run_group(group, namespace, seed, limit_s, out_path.parent, sources))
+        data["imports"] = watch.found()
         _write(out_path, data)
     progress.write_text("done")
     return 0

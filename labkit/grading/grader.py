@@ -357,7 +357,7 @@ def _judge(
                 sub.extra["limits_hit"].append(
                     {"where": f"cell {cell.get('id')!r}", "limit": "time", "what": str(cell["error"])}
                 )
-    flags = _integrity_flags(sub, exercise, cells, data.get("origins"))
+    flags = _integrity_flags(sub, exercise, cells, data.get("origins"), data.get("imports"))
     observations = data.get("observations") if isinstance(data.get("observations"), dict) else {}
     if len(observations) < len(exercise.checks):
         progress = "the answers process stopped before it"
@@ -388,11 +388,17 @@ def _judge(
     return sub.finish("graded", [*checks, lock_entry], "", exercise.id)
 
 
-def _integrity_flags(sub: _Submission, exercise: Exercise, cells: list[dict], origins) -> dict[str, str]:
-    """{check name: why it earns nothing} from the answer cells' source (and the answers' own origins)."""
-    if not exercise.forbidden:
-        return {}
+def _integrity_flags(
+    sub: _Submission, exercise: Exercise, cells: list[dict], origins, imports
+) -> dict[str, str]:
+    """{check name: why it earns nothing} from the answer cells' source, the forbidden modules they imported
+    at run time (`imports`, from the answers process) and the answers' own origins."""
     flagged = integrity.scan(cells, exercise.forbidden, exercise.allowed)
+    sources = {c["id"]: c["source"] for c in cells if c["role"] == "answer"}
+    for cell_id, paths in (imports if isinstance(imports, dict) else {}).items():
+        if cell_id in sources and isinstance(paths, list) and cell_id not in flagged:
+            uses = [p for p in paths if isinstance(p, str)]
+            flagged[cell_id] = {"uses": uses, "defines": sorted(integrity.defined(sources[cell_id]))}
     flags, found = {}, []
     for cell_id, hit in flagged.items():
         found.append({"cell": cell_id, "uses": hit["uses"]})

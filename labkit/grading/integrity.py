@@ -7,19 +7,34 @@ every import, every attribute chain and `getattr` on an imported name, and every
 module, resolved through the imports of the pristine set-up cells and of the answer cells so far. A check
 whose answers are defined in a cell that uses one earns no points, with a sentence saying why. The answers
 process adds what source cannot show: an answer object that *is* a function of a forbidden module
-(`answer_origins`), however it was reached.
+(`answer_origins`), however it was reached, and a forbidden module an answer cell imports by a name built at
+run time (`ImportWatch`). The grader's own code (`labkit.grading`: its probes, its reference answers) is
+forbidden in every exercise.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
+import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Iterable, Sequence
+
+GRADER = (
+    "labkit.grading"  # forbidden in every exercise: the probes that measure an answer, the reference answers
+)
+
+
+def _rule(forbidden: Sequence[str]) -> tuple[str, ...]:
+    return (*forbidden, GRADER)
 
 
 def _is_forbidden(path: str, forbidden: Sequence[str], allowed: Sequence[str]) -> bool:
     if path in allowed:
         return False
-    return any(path == p or path.startswith(p + ".") for p in forbidden)
+    return any(path == p or path.startswith(p + ".") for p in _rule(forbidden))
 
 
 def _dotted(node: ast.AST, names: dict[str, str]) -> str | None:
@@ -91,7 +106,7 @@ def uses(
             path = names[node.id]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             text = node.value
-            path = next((p for p in forbidden if p in text), None)
+            path = next((p for p in _rule(forbidden) if p in text), None)
         if path and _is_forbidden(path, forbidden, allowed):
             found.append(path)
     return sorted(set(found))
@@ -147,7 +162,76 @@ def answer_origins(
 
 def sentence(uses_: Sequence[str], cell: str) -> str:
     """The feedback of a flagged check."""
+    if all(_is_forbidden(u, (), ()) for u in uses_):
+        return (
+            f"no points: your answer cell {cell!r} uses {', '.join(uses_)}, the grader's own code (answer cells "
+            "may not call or change it); write the answer yourself"
+        )
     return (
         f"no points: your answer cell {cell!r} uses {', '.join(uses_)}, labkit's own implementation of what "
         "this exercise asks you to write (answer cells may not call it); write it yourself"
     )
+
+
+class ImportWatch:
+    """Records every forbidden module an answer cell imports while installed, by whatever name it builds
+    (`importlib.import_module("labkit." + "zero")`, `__import__(name)`), which reading the source cannot show.
+
+    It wraps `builtins.__import__` and `importlib.import_module` and looks at the calling frame: code compiled
+    as `<cell ID>` for an answer cell's ID. Each hit is one line `ID<TAB>module` appended to `log`, so the
+    forked children that run the probes (and the ranks they fork) report theirs too."""
+
+    def __init__(self, forbidden: Sequence[str], allowed: Sequence[str], cells: Iterable[str], log):
+        self.forbidden, self.allowed = tuple(forbidden), tuple(allowed)
+        self.frames = {f"<cell {c}>": c for c in cells}
+        self.log = os.fspath(log)
+        self._saved: tuple = ()
+
+    def _note(self, frame, paths: Iterable[str]) -> None:
+        cell = self.frames.get(frame.f_code.co_filename) if frame is not None else None
+        if cell is None:
+            return
+        hits = [p for p in paths if _is_forbidden(p, self.forbidden, self.allowed)]
+        if hits:
+            fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                os.write(fd, "".join(f"{cell}\t{p}\n" for p in hits).encode())
+            finally:
+                os.close(fd)
+
+    def install(self) -> ImportWatch:
+        real_import, real_import_module = builtins.__import__, importlib.import_module
+
+        def watched_import(name, globals=None, locals=None, fromlist=(), level=0):
+            if not level and isinstance(name, str):
+                names = [
+                    f"{name}.{f}" for f in fromlist or () if isinstance(f, str)
+                ]  # as the source rule reads
+                self._note(sys._getframe(1), names or [name])
+            return real_import(name, globals, locals, fromlist, level)
+
+        def watched_import_module(name, package=None):
+            if isinstance(name, str):
+                absolute = importlib.util.resolve_name(name, package) if name.startswith(".") else name
+                self._note(sys._getframe(1), [absolute])
+            return real_import_module(name, package)
+
+        self._saved = (real_import, real_import_module)
+        builtins.__import__, importlib.import_module = watched_import, watched_import_module
+        return self
+
+    def remove(self) -> None:
+        builtins.__import__, importlib.import_module = self._saved
+
+    def found(self) -> dict[str, list[str]]:
+        """{answer cell id: [forbidden modules it imported]} from the log."""
+        hits: dict[str, set[str]] = {}
+        try:
+            with open(self.log) as f:
+                for line in f:
+                    cell, _, path = line.rstrip("\n").partition("\t")
+                    if cell in self.frames.values() and path:
+                        hits.setdefault(cell, set()).add(path)
+        except OSError:
+            pass
+        return {cell: sorted(paths) for cell, paths in hits.items()}
