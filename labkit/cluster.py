@@ -426,7 +426,7 @@ def _rank_main(payload: bytes | tuple, run_dir: str, backend: str) -> bytes:
         report = {
             "rank": rank,
             "time": time.time(),
-            "error": f"{type(e).__name__}: {e}",
+            "error": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
             "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)),
         }
         with open(os.path.join(run_dir, f"error{rank}.json"), "w") as f:

@@ -71,6 +71,20 @@ def test_a_rank_that_raises_is_named_with_its_own_message_and_traceback():
     assert _no_children_left()
 
 
+def test_a_bare_exception_in_a_rank_is_one_line_in_a_checks_feedback():
+    from labkit.grading.kit import probe_error
+
+    def unwritten():
+        if dist.get_rank() == 1:
+            raise NotImplementedError  # a stub the learner has not written yet
+        return 0
+
+    with pytest.raises(LaunchError) as info:
+        labkit.launch(unwritten, 2)
+    assert str(info.value).startswith("rank 1 failed: NotImplementedError\n")
+    assert probe_error(info.value) == "LaunchError: rank 1 failed: NotImplementedError"
+
+
 def test_a_rank_that_dies_without_a_word_is_reported_with_its_exit_status():
     def dies():
         if dist.get_rank() == 1:

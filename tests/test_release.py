@@ -221,13 +221,21 @@ def _check_from_release(release: Path, notebook: Path) -> str:
     return done.stdout
 
 
-def test_check_runs_the_public_checks_from_the_release(release: Path):
-    """On 3 ranks, from the release's own labkit: a solution passes them, the pristine stubs do not."""
+def test_check_runs_the_public_checks_from_the_release(release: Path, tmp_path: Path):
+    """On 3 ranks, from the release's own labkit: a solution passes them, the pristine stubs do not, and an
+    answer that is labkit's own function earns nothing there either (the integrity rule ships)."""
     solved = _check_from_release(release, ROOT / "solutions" / "02_shard_gather.ipynb")
     assert "2/2 (public checks only: the grade runs your answer cells again" in solved, solved
     assert "ok  1/1  round trip on 3 ranks: all 2 cases right" in solved, solved
     pristine = _check_from_release(release, release / "exercises" / "02_shard_gather.ipynb")
     assert "0/2 (public checks only" in pristine and "NotImplementedError" in pristine, pristine
+    borrowed = json.loads((ROOT / "solutions" / "02_shard_gather.ipynb").read_text())
+    next(c for c in borrowed["cells"] if c.get("id") == "answer-shard")["source"] = (
+        "from labkit.zero.sharding import shard_dim0 as shard_rows"
+    )
+    (tmp_path / "borrowed.ipynb").write_text(json.dumps(borrowed))
+    library = _check_from_release(release, tmp_path / "borrowed.ipynb")
+    assert "no points: `shard_rows` is labkit.zero.sharding.shard_dim0" in library, library
 
 
 # ------------------------------------------------------------------------------- the public checks, here

@@ -1,8 +1,8 @@
 """The integrity rule: an answer cell must not use the labkit code that implements what it asks for.
 
 `shard_rows = labkit.zero.sharding.shard_dim0` is labkit's answer, not the student's. Each exercise lists
-the dotted prefixes of that code (`Exercise.forbidden`, e.g. `labkit.zero`) and the exact names under them
-it hands out on purpose (`Exercise.allowed`). The grader reads the answer cells' source (never runs it):
+the dotted prefixes of that code (`RULES`, read as `Exercise.forbidden`, e.g. `labkit.zero`) and the exact
+names under them it hands out on purpose (`Exercise.allowed`). The grader reads the answer cells' source (never runs it):
 every import, every attribute chain and `getattr` on an imported name, and every string naming a forbidden
 module, resolved through the imports of the pristine set-up cells and of the answer cells so far. A check
 whose answers are defined in a cell that uses one earns no points, with a sentence saying why. The answers
@@ -22,9 +22,25 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 
-GRADER = (
-    "labkit.grading"  # forbidden in every exercise: the probes that measure an answer, the reference answers
-)
+GRADER = "labkit.grading"  # forbidden in every exercise: its probes and its reference answers
+
+# Per exercise: (forbidden: dotted prefixes of the labkit code that implements what its answers must write;
+# allowed: exact dotted names under them that the exercise hands the student). Here, not in the grader's
+# check modules, so that the public checks of the student release apply the same rule.
+RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "ex01_memory": (("labkit.budget",), ()),
+    "ex02_shard": (("labkit.zero", "labkit.buildalong.cells"), ()),
+    # The set-up cell imports dim0_rows for pack_grads.
+    "ex03_reduce_scatter": (("labkit.zero", "labkit.buildalong.cells"), ("labkit.zero.sharding.dim0_rows",)),
+    "ex04_prefetch": (("labkit.zero", "labkit.engines"), ()),
+    "ex05_deepspeed": (("labkit.engines",), ()),
+    "ex06_hsdp": (("labkit.budget", "labkit.zero"), ()),
+    "ex07_capstone": (
+        ("labkit.zero", "labkit.buildalong.cells", "labkit.buildalong.checks", "labkit.engines.scratch"),
+        (),
+    ),
+    "ex08_critical_batch": (("labkit.budget", "labkit.lessons.roofline", "labkit.lessons.production"), ()),
+}
 
 
 def _rule(forbidden: Sequence[str]) -> tuple[str, ...]:

@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from labkit.grading import integrity
+
 _ID = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 CHECKS_PACKAGE = "labkit.grading.checks"  # one module per exercise id, each defining EXERCISE
 DEFAULT_LIMIT_S = 30.0  # a probe that calls plain functions; one that launches ranks says more
@@ -82,8 +84,14 @@ class Exercise:
     id: str
     title: str
     checks: tuple[Check, ...]
-    forbidden: tuple[str, ...] = ()
-    allowed: tuple[str, ...] = ()
+
+    @property
+    def forbidden(self) -> tuple[str, ...]:
+        return integrity.RULES.get(self.id, ((), ()))[0]
+
+    @property
+    def allowed(self) -> tuple[str, ...]:
+        return integrity.RULES.get(self.id, ((), ()))[1]
 
     @property
     def max_score(self) -> int:

@@ -102,5 +102,4 @@ EXERCISE = Exercise(
         *(_state_check(s) for s in STRATEGIES),
         Check("fewest ranks to fit the state", 2, _fit_probe, _fit_judge, answers=("min_ranks_to_fit",)),
     ),
-    forbidden=("labkit.budget",),
 )

@@ -117,5 +117,4 @@ EXERCISE = Exercise(
             limit_s=GATHER_LIMIT_S,
         ),
     ),
-    forbidden=("labkit.zero", "labkit.buildalong.cells"),
 )

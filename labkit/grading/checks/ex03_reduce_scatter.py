@@ -225,6 +225,4 @@ EXERCISE = Exercise(
             group="ranks",
         ),
     ),
-    forbidden=("labkit.zero", "labkit.buildalong.cells"),
-    allowed=("labkit.zero.sharding.dim0_rows",),  # the set-up cell imports it for pack_grads
 )

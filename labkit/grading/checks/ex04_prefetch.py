@@ -169,5 +169,4 @@ EXERCISE = Exercise(
             answers=("all_gathers_per_step",),
         ),
     ),
-    forbidden=("labkit.zero", "labkit.engines"),
 )

@@ -147,5 +147,4 @@ EXERCISE = Exercise(
             answers=("zeropp_config",),
         ),
     ),
-    forbidden=("labkit.engines",),
 )

@@ -144,5 +144,4 @@ EXERCISE = Exercise(
             answers=("hsdp_state_bytes_per_rank",),
         ),
     ),
-    forbidden=("labkit.budget", "labkit.zero"),
 )

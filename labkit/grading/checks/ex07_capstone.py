@@ -409,10 +409,4 @@ EXERCISE = Exercise(
             **_SHARED,
         ),
     ),
-    forbidden=(
-        "labkit.zero",
-        "labkit.buildalong.cells",
-        "labkit.buildalong.checks",
-        "labkit.engines.scratch",
-    ),
 )

@@ -191,5 +191,4 @@ EXERCISE = Exercise(
             group="ranks",
         ),
     ),
-    forbidden=("labkit.budget", "labkit.lessons.roofline", "labkit.lessons.production"),
 )
