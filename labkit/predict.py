@@ -20,15 +20,17 @@ RIGHT_WITHIN = 0.05
 
 _DECIMAL = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}  # bytes, FLOPs, counts: 1 GB = 1e9 B
 _SUBUNIT = {"": 1.0, "m": 1e-3, "u": 1e-6, "µ": 1e-6}  # seconds: 1 ms = 1e-3 s
+_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d*)?(e[-+]?\d+)?$", re.I)
 _NUMBER = re.compile(
     r"^\s*([-+]?(?:\d[\d,_]*\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*([kmgtuµ]?)\s*([a-z%/]*)\s*$", re.I
 )
 
 
 def parse_number(text: str, unit: str = "") -> float | None:
-    """The number a learner typed, in `unit`: '1536', '1,536', '1.5e6', '1.5 GB'; '250 ms' for unit 's'.
+    """The number a learner typed, in `unit`: '1536', '1,536', '1.5e6', '1.5 GB', '2 GiB'; '250 ms' for 's'.
 
-    A k/M/G/T prefix is decimal (1 GB = 1e9 B); for seconds m and u are milli and micro. None if empty;
+    A k/M/G/T prefix is decimal (1 GB = 1e9 B), KiB/MiB/GiB/TiB binary; for seconds m and u are milli and
+    micro. A unit typed after the number must be the question's (`unit`, or its singular). None if empty;
     anything else is a ValueError that says what would work.
     """
     if text is None or not str(text).strip():
@@ -36,11 +38,26 @@ def parse_number(text: str, unit: str = "") -> float | None:
     match = _NUMBER.match(str(text))
     if not match:
         raise ValueError(f"{text!r} is not a number; type e.g. 1536, 1.5e6 or 1.5 MB")
-    number, prefix, _unit = match.groups()
+    number, prefix, typed = match.groups()
+    if "," in number and not _THOUSANDS.match(number):
+        raise ValueError(
+            f"{text!r}: a comma here separates thousands (1,536); type decimals with a point: 1.5"
+        )
     scales = _SUBUNIT if unit == "s" else _DECIMAL
     if prefix.lower() not in scales:
         raise ValueError(f"{text!r}: the prefix {prefix!r} does not go with {unit or 'a plain number'}")
-    return float(number.replace(",", "").replace("_", "")) * scales[prefix.lower()]
+    scale = scales[prefix.lower()]
+    if unit == "B" and prefix and typed == "iB":  # binary: 1 GiB = 2**30 B
+        scale, typed = 1024.0 ** "kmgt".index(prefix.lower()) * 1024.0, "B"
+    if (
+        typed
+        and typed not in (unit, unit.rstrip("s"))
+        and not (unit != "B" and typed.lower() == unit.lower())
+    ):
+        raise ValueError(
+            f"{text!r}: the answer is in {unit or 'a plain number'}, not {typed!r}; type e.g. 1.5e6"
+        )
+    return float(number.replace(",", "").replace("_", "")) * scale
 
 
 def format_quantity(value: float, unit: str) -> str:

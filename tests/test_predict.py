@@ -15,6 +15,12 @@ from labkit.predict import Reveal, parse_number, predict
         ("180 GB", "B", 180e9),
         ("250 ms", "s", 0.25),
         ("3.6", "s", 3.6),
+        ("2 GiB", "B", 2 * 2**30),
+        ("512 KiB", "B", 512 * 1024),
+        ("3x", "x", 3.0),
+        ("34 rows", "rows", 34.0),
+        ("1 row", "rows", 1.0),
+        ("16k tokens", "tokens", 16e3),
         ("  ", "B", None),
     ],
 )
@@ -22,10 +28,15 @@ def test_parse_number_reads_units_and_prefixes(text, unit, value):
     assert parse_number(text, unit) == value
 
 
-@pytest.mark.parametrize("text", ["lots", "2 GB per s s", "1.2.3"])
+@pytest.mark.parametrize("text", ["lots", "2 GB per s s", "1.2.3", "3 ms", "1e", "2 Gb"])
 def test_parse_number_refuses_with_a_sentence(text):
     with pytest.raises(ValueError, match="type e.g."):
         parse_number(text, "B")
+
+
+def test_a_decimal_comma_is_refused_not_read_as_thousands():
+    with pytest.raises(ValueError, match="type decimals with a point: 1.5"):
+        parse_number("1,5", "s")
 
 
 def test_no_prediction_reveals_the_measurement_and_formula_and_no_mistake(capsys):
