@@ -220,9 +220,8 @@ class ImportWatch:
 
         def watched_import(name, globals=None, locals=None, fromlist=(), level=0):
             if not level and isinstance(name, str):
-                names = [
-                    f"{name}.{f}" for f in fromlist or () if isinstance(f, str)
-                ]  # as the source rule reads
+                # `from a import b` is `a.b`, as the source rule reads it
+                names = [f"{name}.{f}" for f in fromlist or () if isinstance(f, str)]
                 self._note(sys._getframe(1), names or [name])
             return real_import(name, globals, locals, fromlist, level)
 
