@@ -91,7 +91,7 @@ def late_bound(namespace: dict) -> list[str]:
     rebound = []
     for key, value in list(namespace.items()):
         name = originals.get(id(value))
-        if name is not None and callable(value):
+        if name is not None:
             namespace[key] = functools.update_wrapper(_by_name(name), value)
             rebound.append(key)
     return rebound

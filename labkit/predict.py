@@ -49,15 +49,17 @@ def parse_number(text: str, unit: str = "") -> float | None:
     scale = scales[prefix.lower()]
     if unit == "B" and prefix and typed == "iB":  # binary: 1 GiB = 2**30 B
         scale, typed = 1024.0 ** "kmgt".index(prefix.lower()) * 1024.0, "B"
-    if (
-        typed
-        and typed not in (unit, unit.rstrip("s"))
-        and not (unit != "B" and typed.lower() == unit.lower())
-    ):
+    if typed and not _unit_ok(typed, unit):
         raise ValueError(
             f"{text!r}: the answer is in {unit or 'a plain number'}, not {typed!r}; type e.g. 1.5e6"
         )
     return float(number.replace(",", "").replace("_", "")) * scale
+
+
+def _unit_ok(typed: str, unit: str) -> bool:
+    """Whether `typed` (after the prefix) names `unit`: exactly or in the singular; other than B (b would be
+    bits), in any case."""
+    return typed in (unit, unit.rstrip("s")) or (unit != "B" and typed.lower() == unit.lower())
 
 
 def format_quantity(value: float, unit: str) -> str:

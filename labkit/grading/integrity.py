@@ -47,10 +47,14 @@ def _rule(forbidden: Sequence[str]) -> tuple[str, ...]:
     return (*forbidden, GRADER)
 
 
+def _within(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
+
+
 def _is_forbidden(path: str, forbidden: Sequence[str], allowed: Sequence[str]) -> bool:
     if path in allowed:
         return False
-    return any(path == p or path.startswith(p + ".") for p in _rule(forbidden))
+    return any(_within(path, p) for p in _rule(forbidden))
 
 
 def _dotted(node: ast.AST, names: dict[str, str]) -> str | None:
@@ -178,7 +182,7 @@ def answer_origins(
 
 def sentence(uses_: Sequence[str], cell: str) -> str:
     """The feedback of a flagged check."""
-    if all(_is_forbidden(u, (), ()) for u in uses_):
+    if all(_within(u, GRADER) for u in uses_):
         return (
             f"no points: your answer cell {cell!r} uses {', '.join(uses_)}, the grader's own code (answer cells "
             "may not call or change it); write the answer yourself"
