@@ -378,17 +378,54 @@ def _comm_edges() -> dict:
         sync_calls = len(hook.times)
         work = dist.all_reduce(torch.ones(5), async_op=True)  # async: issue, then the wait's two edges
         work.wait()
+        sync_total = len(hook.times)
+        kinds = sorted({(e["kind"], e["name"]) for e in probes.timeline.events})
+        held = _held_after_wait(n=dist.get_world_size())
     return {
         "sync": sync_calls,
-        "total": len(hook.times),
-        "kinds": sorted({(e["kind"], e["name"]) for e in probes.timeline.events}),
+        "total": sync_total,
+        "kinds": kinds,
+        **held,
     }
 
 
-def test_the_comm_probe_syncs_at_issue_return_and_both_ends_of_a_wait():
+def _held_after_wait(n: int) -> dict:
+    """References to an all-gather's buffers once its wait() returned, with and without a CPU peak measured,
+    and what the peak's tracker counts live once the caller dropped them."""
+    out = {}
+    send, recv = torch.ones(1000), torch.empty(n * 1000)
+    work = dist.all_gather_single(recv, send, async_op=True)
+    work.wait()
+    out["unmeasured"] = (send._use_count(), recv._use_count())  # the Work still holds them
+    del work, send, recv
+    memory = PeakMemory(torch.device("cpu"))
+    memory.start()
+    before = memory._tracker.live_bytes
+    send, recv = torch.ones(1000), torch.empty(n * 1000)
+    work = dist.all_gather_single(recv, send, async_op=True)
+    work.wait()
+    out["measured"] = (send._use_count(), recv._use_count())
+    out["again"] = (work.wait(), work.is_completed())
+    dist.all_gather_single(recv, send)  # synchronous
+    out["sync_buffers"] = (send._use_count(), recv._use_count())
+    del work, send, recv
+    out["left"] = memory._tracker.live_bytes - before
+    memory.stop()
+    return out
+
+
+def test_the_comm_probe_syncs_at_issue_return_and_both_ends_of_a_wait_and_settles_buffers_for_a_peak():
+    """Each edge of a collective syncs the timeline. And gloo's worker thread drops a Work a moment after
+    waking its waiter: buffers it dropped last would be freed on that thread at a time no run repeats. While
+    a CPU peak is measured, wait() lets go of the Work and returns once the backend holds no reference to
+    the buffers (a sync call too), so the caller's own drop frees them."""
     for r in labkit.launch(_comm_edges, 2):
         assert r["sync"] == 2 and r["total"] == 2 + 3
         assert r["kinds"] == [("comm", "all_reduce"), ("wait", "all_reduce")]
+        assert r["unmeasured"][0] > 1 and r["unmeasured"][1] > 1
+        assert r["measured"] == (1, 1) and r["sync_buffers"] == (1, 1)
+        assert r["again"] == (True, True)
+        assert r["left"] == 0
 
 
 def test_state_bytes_by_device_counts_every_key_under_its_category_once():

@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,7 @@ from torch.distributed import distributed_c10d
 
 from labkit.budget import collective_wire_bytes
 from labkit.collectives import COLLECTIVES, COUNTED, Patch
+from labkit.probes import memory
 from labkit.probes.timeline import Timeline
 
 
@@ -186,13 +187,14 @@ class CommProbe:
                 return original(*args, **kwargs)
             self.calls.append(call)
             queued = call.async_op and _coalescing(arguments.get("group"))
+            buffers = [] if queued else _buffers(arguments)
             issue_s = self.timeline.now()
             out = original(*args, **kwargs)
             if queued:  # inside a coalescing manager the op runs at the manager's exit: bytes only
                 return out
             if call.async_op and out is not None:
                 link_done_s = self.link.schedule(issue_s, call.wire_bytes) if self.link else None
-                return _ProbedWork(out, self.timeline, kind, issue_s, link_done_s)
+                return _ProbedWork(out, self.timeline, kind, issue_s, link_done_s, buffers)
             returned_s = self.timeline.now()
             if self.link:
                 done_s = self.link.schedule(issue_s, call.wire_bytes)
@@ -201,6 +203,7 @@ class CommProbe:
             end_s = time.perf_counter()
             self.timeline.add_abs("comm", kind, issue_s, end_s)
             self.timeline.add_abs("wait", kind, issue_s, end_s)
+            _settle(buffers)
             return out
 
         return probed
@@ -232,6 +235,30 @@ class CommProbe:
 
 
 _LINK_AWARE = frozenset({"wait", "get_future", "is_completed"})  # what _ProbedWork answers itself
+SETTLE_TIMEOUT_S = 1.0  # the most `_settle` waits for a backend's worker to drop a Work (s)
+STORAGE_SETTLE_S = 0.005  # then, the most it waits for the views of the buffers that Work held (s)
+_RELEASED = distributed_c10d.Work()  # a _ProbedWork's `_inner` once it let go of the real Work (never waited)
+
+
+class _CommEvent:
+    """An async collective's "comm" event, recorded once: by its future's done callback (on the backend's
+    worker thread) or by the first `wait()`, whichever comes first. The callback holds this, not the Work,
+    so the worker thread never holds the last reference to a Work and its buffers."""
+
+    def __init__(self, timeline: Timeline, kind: str, issue_s: float, link_done_s: float | None):
+        self.timeline, self.kind, self.issue_s, self.link_done_s = timeline, kind, issue_s, link_done_s
+        self._recorded = False
+        self._lock = threading.Lock()
+
+    def record(self, real_done_s: float) -> None:
+        with self._lock:
+            if self._recorded:
+                return
+            self._recorded = True
+        self.timeline.add_abs("comm", self.kind, self.issue_s, max(real_done_s, self.link_done_s or 0.0))
+
+    def on_done(self, _future) -> None:
+        self.record(time.perf_counter())
 
 
 class _ProbedWork(distributed_c10d.Work):
@@ -242,24 +269,33 @@ class _ProbedWork(distributed_c10d.Work):
     torch's C++ side reaches a Python Work's `wait` and `get_future` through that base. The "comm" event
     runs from issue to completion (the real op done and the emulated link through); each `wait()` adds a
     "wait" event: the time the calling thread was blocked, link delay included.
+
+    `buffers` (`_buffers`): while a CPU peak is measured, the first `wait()` lets go of the real Work and
+    returns once the backend has let go of the buffers too (`_settle`); a later `wait()` returns at once,
+    `is_completed()` says True and `get_future()` refuses.
     """
 
-    def __init__(self, inner, timeline: Timeline, kind: str, issue_s: float, link_done_s: float | None):
+    def __init__(
+        self,
+        inner,
+        timeline: Timeline,
+        kind: str,
+        issue_s: float,
+        link_done_s: float | None,
+        buffers: list[Buffer],
+    ):
         super().__init__()
         self._inner = inner
-        self._timeline = timeline
-        self._kind = kind
-        self._issue_s = issue_s
         self._link_done_s = link_done_s
-        self._recorded = False
-        self._lock = threading.Lock()
+        self._event = _CommEvent(timeline, kind, issue_s, link_done_s)
+        self._buffers = buffers
         try:
             future = inner.get_future()
         except RuntimeError:  # a backend whose Work has no future: completion is seen at wait()
             future = None
         self._future = future
         if future is not None and not timeline.syncs:  # a CUDA future completes at enqueue: see wait()
-            future.add_done_callback(lambda _: self._record_comm(time.perf_counter()))
+            future.add_done_callback(self._event.on_done)
 
     def __getattribute__(self, name: str):
         # `__getattr__` would not do: the base class has every Work method, answering for an empty Work.
@@ -267,25 +303,28 @@ class _ProbedWork(distributed_c10d.Work):
             return object.__getattribute__(self, name)
         return getattr(object.__getattribute__(self, "_inner"), name)
 
-    def _record_comm(self, real_done_s: float) -> None:
-        with self._lock:
-            if self._recorded:
-                return
-            self._recorded = True
-        end_s = max(real_done_s, self._link_done_s or 0.0)
-        self._timeline.add_abs("comm", self._kind, self._issue_s, end_s)
-
     def wait(self, timeout: timedelta | None = None) -> bool:
-        start_s = self._timeline.now()
+        if self._inner is _RELEASED:  # waited for before, and let go of
+            return True
+        timeline = self._event.timeline
+        start_s = timeline.now()
         ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        if self._buffers and memory.measuring_cpu():  # done: only the backend's worker may still hold it
+            self._inner, self._future = _RELEASED, None
+            _settle(self._buffers)
+        self._buffers = []
         if self._link_done_s is not None:
             _sleep_until(self._link_done_s)
-        end_s = self._timeline.now()
-        self._record_comm(end_s)
-        self._timeline.add_abs("wait", self._kind, start_s, end_s)
+        end_s = timeline.now()
+        self._event.record(end_s)
+        timeline.add_abs("wait", self._event.kind, start_s, end_s)
         return ok
 
     def get_future(self) -> torch.futures.Future:
+        if self._inner is _RELEASED:
+            raise RuntimeError(
+                "this collective's Work was let go of at its wait(); ask for its future before"
+            )
         if self._future is None or self._link_done_s is None:
             return self._inner.get_future()
         link_done_s = self._link_done_s
@@ -297,6 +336,8 @@ class _ProbedWork(distributed_c10d.Work):
         return self._future.then(after_link)
 
     def is_completed(self) -> bool:
+        if self._inner is _RELEASED:
+            return True
         link_done = self._link_done_s is None or time.perf_counter() >= self._link_done_s
         return self._inner.is_completed() and link_done
 
@@ -306,6 +347,64 @@ def _nbytes(value) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     return sum(_nbytes(v) for v in value)
+
+
+def _buffers(arguments: dict) -> list[Buffer]:
+    """The CPU tensors a collective is given, each with its references counted now, before the call.
+
+    gloo's Work holds its tensors, and its worker thread drops the Work a moment after the caller's wait
+    returns: a caller that drops its buffers first leaves their free to that thread, at a time no run
+    repeats (a CPU peak then sometimes includes them). `_settle` waits for the worker instead, so each
+    buffer is freed by the last of the program's own references. Taken at every call: a collective issued
+    before a peak is measured (a prefetch) may be waited for inside it.
+    """
+    found: list[torch.Tensor] = []
+    stack = list(arguments.values())
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+    return [Buffer(t, _tensor_references(t), _storage_references(t)) for t in found if t.device.type == "cpu"]
+
+
+class Buffer(NamedTuple):
+    """A collective's CPU tensor and torch's counts of references to it and to its storage before the call."""
+
+    tensor: torch.Tensor
+    tensor_references: int
+    storage_references: int
+
+
+def _tensor_references(t: torch.Tensor) -> int:
+    """References to the tensor: its Python object counts once, each copy of it a Work holds once."""
+    return t._use_count()
+
+
+def _storage_references(t: torch.Tensor) -> int:
+    """References to its storage: each tensor viewing it once (gloo keeps views of a buffer too)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _settle(buffers: list[Buffer]) -> None:
+    """While a CPU peak is measured (`memory.measuring_cpu`), wait for the backend to let go of `buffers`;
+    otherwise return at once.
+
+    First until no tensor has more references than before its collective (the Work is gone), at most
+    SETTLE_TIMEOUT_S; then until no storage has more (the views the Work held are gone too), at most
+    STORAGE_SETTLE_S: a caller that made views of its own meanwhile (DeepSpeed, of its flat buffers) keeps
+    the count up, and the wait cannot tell its views from the Work's.
+    """
+    if not memory.measuring_cpu():
+        return
+    for count, field, limit_s in (
+        (_tensor_references, "tensor_references", SETTLE_TIMEOUT_S),
+        (_storage_references, "storage_references", STORAGE_SETTLE_S),
+    ):
+        deadline_s = time.perf_counter() + limit_s
+        while any(count(b.tensor) > getattr(b, field) for b in buffers) and time.perf_counter() < deadline_s:
+            time.sleep(0)
 
 
 def _sent_bytes_per_peer(name: str, arguments: dict, payload: int, size: int) -> list[int]:

@@ -26,6 +26,9 @@ identity, so one of them freed during the run (a cache an earlier engine let go)
   lower bound on allocator memory; bytes are allocated bytes, not resident pages (a 2 GB `torch.empty`
   counts in full even if the OS has not backed it yet); the mode runs Python on every op (about 2x the
   step time of the tiny model), which is why the loop measures peak memory in a step of its own.
+  While it measures, the comm probe's `wait()` returns only once gloo's worker thread has let go of the
+  collective's buffers (`labkit.probes.comm._settle`): that thread drops its Work a moment after waking the
+  waiter, and a buffer it dropped last would be freed at a time no run repeats.
 """
 
 from __future__ import annotations
@@ -109,6 +112,14 @@ def state_bytes_by_device(state: dict[str, list[torch.Tensor]]) -> dict[str, dic
     return out
 
 
+_measuring_cpu = 0  # CPU peaks being measured in this process (`PeakMemory.start` to `stop`)
+
+
+def measuring_cpu() -> bool:
+    """Whether a `PeakMemory` measures a CPU peak now (the comm probe then settles collectives' buffers)."""
+    return _measuring_cpu > 0
+
+
 class PeakMemory:
     """Peak live tensor bytes of this rank between `start()` and `stop()` (see the module docstring)."""
 
@@ -144,6 +155,8 @@ class PeakMemory:
         self._tracker.add(storages(state_tensors))
         self.start_bytes = self._tracker.live_bytes
         self._tracker.start()
+        global _measuring_cpu
+        _measuring_cpu += 1
 
     def stop(self) -> int:
         """Stop measuring; return the peak (bytes), less `prior_bytes`."""
@@ -151,6 +164,8 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.prior_bytes
         elif self._tracker is not None:
+            global _measuring_cpu
+            _measuring_cpu -= 1
             self._tracker.stop()
             self.peak_bytes = self._tracker.peak_bytes
             self._tracker = None
