@@ -1,7 +1,7 @@
 """The capstone (exercise 07): the solution scores full marks, the pristine exercise 0 (graded, not an error),
-and six planted mistakes each lose the checks of the property they break, with feedback naming the mistake.
+and seven planted mistakes each lose the checks of the property they break, with feedback naming the mistake.
 
-One `labkit grade DIR --gradebook` batch grades the eight submissions (about a minute on two loaded cores with
+One `labkit grade DIR --gradebook` batch grades the nine submissions (about a minute on two loaded cores with
 --jobs 3); the planted mistakes are edits of the solution's answer cells in temporary copies.
 """
 
@@ -55,6 +55,13 @@ PLANTED = {
         )
     ],
     "full_grads_kept": [("answer-hooks", "        p.grad = None\n", "")],  # autograd accumulates into them
+    "tensor_swapped_free": [  # "freed" by a new empty tensor: autograd saved the gathered one, alive to backward
+        (
+            "answer-hooks",
+            "def after_forward(unit: Unit) -> None:\n    for p in unit.params:\n        free(p)",
+            "def after_forward(unit: Unit) -> None:\n    for p in unit.params:\n        p.data = torch.empty(0)",
+        )
+    ],
     "all_reduce": [  # the right mean, by an all-reduce of the whole buffer: n/(n-1)... twice the wire bytes
         (
             "answer-hooks",
@@ -69,6 +76,7 @@ LOSES = {
     "no_mean": {TRAINING},
     "kept_after_forward": {FREED},
     "full_grads_kept": {TRAINING, SHARDED_GRADS, STATE},
+    "tensor_swapped_free": {FREED},
     "all_reduce": {BYTES},
 }
 SAYS = {
@@ -77,6 +85,7 @@ SAYS = {
     "no_mean": "divide the reduce-scatter's sum by n",
     "kept_after_forward": "free them in after_forward",
     "full_grads_kept": "set each p.grad to None",
+    "tensor_swapped_free": "free a parameter's storage, not its tensor",
     "all_reduce": "also ran all_reduce: ZeRO-3 needs only all-gathers and reduce-scatters",
 }
 
@@ -188,3 +197,35 @@ def test_forged_or_malformed_observations_earn_nothing():
     malformed = {c.name: {"value": {"score": 10}} for c in exercise.checks}
     for observations in (forged, malformed, {"score": 10}, {}):
         assert sum(e["points"] for e in judge_all(exercise, observations, seed=5)) == 0
+
+
+def test_the_memory_probe_weighs_every_full_tensor_a_unit_keeps_and_what_autograd_saved():
+    """`held_bytes`: a unit's parameters, `pending` and any attribute the student added (containers too),
+    and the storages its parameters had when gathered while they live on (autograd keeps one a free by
+    `p.data = torch.empty(0)` left); never its shards or their gradients."""
+    import torch
+
+    from labkit.buildalong.scaffold import Unit
+    from labkit.grading.checks.ex07_capstone_memory import gathered_storages, held_bytes
+
+    linear = torch.nn.Linear(4, 6)
+    params = list(linear.parameters())  # 24 + 6 floats, gathered
+    shards = [torch.zeros(2, 4, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    shards[0].grad = torch.zeros(2, 4)
+    unit = Unit("blocks.0", linear, params, shards, [6, 6], rank=0, n=3)
+    full = 4 * (24 + 6)
+    assert held_bytes(unit) == full
+    gathered = gathered_storages(unit)
+    out = linear(torch.ones(1, 4, requires_grad=True))  # autograd saves the weight for backward
+    for p in params:
+        p.untyped_storage().resize_(0)  # the storage trick: nothing left, saved views included
+    assert held_bytes(unit, gathered) == 0
+    for p in params:
+        p.untyped_storage().resize_(4 * p.numel())
+        p.data = torch.empty(0)  # a new tensor: the gathered weight lives on where autograd saved it
+    assert held_bytes(unit) == 0 and held_bytes(unit, gathered) == 4 * 24
+    del out
+    assert held_bytes(unit, gathered) == 0  # the graph is gone: so is what it saved
+    unit.gathered = torch.zeros(30)  # kept beside the unit
+    unit.pending["grads"] = [torch.zeros(24), (torch.zeros(6),)]
+    assert held_bytes(unit) == 4 * (30 + 24 + 6)

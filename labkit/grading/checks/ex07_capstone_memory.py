@@ -1,10 +1,12 @@
 """Exercise 07's memory checks: what makes it ZeRO-3, weighed around the student's moments on every rank.
 
-The probe side (`Watch`) weighs the full weights each unit holds (its parameters' storages and whatever its
-`pending` keeps) when its `after_forward` returns, the most all units hold together while the model's forward
-runs, and the full and sharded gradients left when its `after_grad` returns. The judges compare them with
-what ZeRO-3 keeps: nothing full between a unit's forward and backward, at most the root, the block computing
-and the one prefetched during the forward, and only gradient shards after the reduce-scatter.
+The probe side (`Watch`) weighs the full tensors each unit holds (`held_bytes`: whatever its fields reach,
+its parameters, `pending` and any attribute the student added, and the storages its parameters had when its
+weights were last gathered, while alive) when its `after_forward` returns, the most all units hold together
+while the model's forward runs, and the full and sharded gradients left when its `after_grad` returns. Not
+weighed: tensors kept in the answers' own globals, or in objects other than containers. The judges compare
+them with what ZeRO-3 keeps: nothing full between a unit's forward and backward, at most the root, the block
+computing and the one prefetched during the forward, and only gradient shards after the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
+from collections.abc import Iterable
 
 from labkit.grading.checks.ex07_capstone_model import RANKS, padded_elements, unit_shapes
 from labkit.grading.kit import tally
@@ -19,14 +23,32 @@ from labkit.grading.kit import tally
 # --------------------------------------------------------------------------------------------- the probe
 
 
-def held_bytes(unit) -> int:
-    """Full-weight bytes `unit` holds now: its parameters' storages and the tensors kept in `unit.pending`
-    (each storage once; a freed parameter's holds 0 B)."""
+# A unit's fields that are not its to hold: the module, its shards (the state ZeRO-3 keeps), its neighbours.
+NOT_HELD = ("module", "shards", "next", "prev")
+
+
+def held_bytes(unit, gathered: Iterable[weakref.ref] = ()) -> int:
+    """Full-tensor bytes `unit` holds now: the storages of every tensor its fields reach (its parameters,
+    `pending`, any attribute the student added; tensors, tuples, lists, dicts, dataclasses) and those of
+    `gathered` still alive: its parameters' storages when its weights were last gathered. A free that
+    swaps a parameter's tensor (`p.data = torch.empty(0)`) leaves the gathered storage to autograd, which
+    saved it in forward. Each storage once, its shards' and their gradients' left out; a freed one holds 0 B.
+    """
     from labkit.probes.memory import storages
     from labkit.zero.outputs import output_tensors
 
-    held = {st.data_ptr(): st.nbytes() for st in storages(output_tensors([unit.params, unit.pending]))}
-    return sum(held.values())
+    own = {st.data_ptr() for st in storages([*unit.shards, *(s.grad for s in unit.shards)])}
+    fields = [value for name, value in vars(unit).items() if name not in NOT_HELD]
+    held = {st.data_ptr(): st.nbytes() for st in storages(output_tensors(fields))}
+    held.update((st.data_ptr(), st.nbytes()) for st in (ref() for ref in gathered) if st is not None)
+    return sum(nbytes for ptr, nbytes in held.items() if ptr not in own)
+
+
+def gathered_storages(unit) -> list[weakref.ref]:
+    """Weak references to the storages of `unit`'s parameters now (they hold its weights once gathered)."""
+    from labkit.probes.memory import storages
+
+    return [weakref.ref(st) for st in storages(unit.params) if st.nbytes()]
 
 
 class Watch:
@@ -40,13 +62,16 @@ class Watch:
         self.after_grad: dict[str, dict] = {}
         self.peak = {"bytes": 0, "unit": ""}
         self.units: list = []
+        # unit name -> `gathered_storages` at the unit's last gather
+        self.gathered: dict[str, list[weakref.ref]] = {}
 
     def wrapped(self):
-        """The pieces with three moments weighed (the other fields as the student wrote them)."""
+        """The pieces with four moments weighed (the other fields as the student wrote them)."""
         p = self.pieces
         moments = {
             "before_forward": self._before_forward,
             "after_forward": self._after_forward,
+            "before_backward": self._before_backward,
             "after_grad": self._after_grad,
         }
         return dataclasses.replace(
@@ -65,13 +90,21 @@ class Watch:
                 self.units.append(self.units[-1].next)
             self.peak = {"bytes": 0, "unit": ""}
         moment(unit)
-        total = sum(held_bytes(u) for u in self.units)
+        self.gathered[unit.name] = gathered_storages(unit)
+        total = sum(self._held(u) for u in self.units)
         if total > self.peak["bytes"]:
             self.peak = {"bytes": total, "unit": unit.name}
 
+    def _held(self, unit) -> int:
+        return held_bytes(unit, self.gathered.get(unit.name, []))
+
     def _after_forward(self, moment, unit) -> None:
         moment(unit)
-        self.after_forward[unit.name] = held_bytes(unit)
+        self.after_forward[unit.name] = self._held(unit)
+
+    def _before_backward(self, moment, unit) -> None:
+        moment(unit)
+        self.gathered[unit.name] = gathered_storages(unit)
 
     def _after_grad(self, moment, unit) -> None:
         moment(unit)
@@ -82,7 +115,7 @@ class Watch:
             if s.grad is not None and tuple(s.grad.shape) == tuple(s.shape)
         )
         self.after_grad[unit.name] = {
-            "weights": held_bytes(unit),
+            "weights": self._held(unit),
             "grads": full_grads,
             "shard_grads": shard_grads,
         }
@@ -120,8 +153,9 @@ def freed_judge(got: list, seed: int) -> tuple[float, str]:
                     f"rank {rank}: {unit}'s after_forward never returned"
                     if held is None
                     else f"rank {rank}: {unit} still held {held:,} B of full weights after its forward "
-                    "returned: free them in after_forward (from a unit's forward to its backward ZeRO-3 "
-                    "keeps only the shards)",
+                    "returned (in its parameters, in what the unit keeps, or in a storage autograd saved: "
+                    "free a parameter's storage, not its tensor): free them in after_forward (from a "
+                    "unit's forward to its backward ZeRO-3 keeps only the shards)",
                 )
             )
         peak = seen["peak"]
@@ -157,7 +191,10 @@ def sharded_grads_judge(got: list, seed: int) -> tuple[float, str]:
                     f"kept {done['grads']:,} B of full gradients (set each p.grad to None once reduced)"
                 )
             if done["weights"]:
-                problems.append(f"held {done['weights']:,} B of full weights (free them in after_grad)")
+                problems.append(
+                    f"held {done['weights']:,} B of full weights or gradients (free the weights and keep "
+                    "no full tensor in after_grad)"
+                )
             want = 4 * padded_elements(seed, unit) // RANKS
             if done["shard_grads"] != want:
                 problems.append(
