@@ -41,10 +41,12 @@ INSTRUCTOR_ONLY = ("grading/checks/ex*.py", "_course")  # under labkit/: the gra
 JUNK = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.executed.ipynb")
 README = """# labkit: the student copy
 
-Open `notebooks/00_start_here.ipynb` first; the exercises are in `exercises/`. Fill the cells marked
-`# YOUR ANSWER HERE` and run the last cell: `check()` runs the public checks (your answers against torch's
-and DeepSpeed's own results, the rules each exercise states, and its example). Your grade comes from the
-instructor's grader, which runs your answer cells again on cases you have not seen.
+Open `notebooks/00_start_here.ipynb` first. In the notebooks, each build cell is yours to write: run it as
+it is and the check after it says which piece to write; once written, that check runs it on real ranks.
+The exercises are in `exercises/`. Fill the cells marked `# YOUR ANSWER HERE` and run the last cell:
+`check()` runs the public checks (your answers against torch's and DeepSpeed's own results, the rules each
+exercise states, and its example). Your grade comes from the instructor's grader, which runs your answer
+cells again on cases you have not seen.
 
 On your own machine: `make lab` (Python 3.11, a few GB for torch and DeepSpeed).
 """

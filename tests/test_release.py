@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from labkit.buildalong import reveal
 from labkit.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +91,34 @@ def test_release_holds_the_course_and_no_solutions_or_grader_checks(release: Pat
     assert [p.name for p in (release / "labkit" / "grading" / "checks").glob("*.py")] == ["__init__.py"]
     assert (release / "labkit" / "grading" / "public.py").is_file()
     assert not (release / "docs" / "instructor.md").exists() and (release / "docs" / "cheatsheets").is_dir()
+
+
+COURSE_PATH = re.compile(r"(?<![\w/])(?:\.\./)?((?:tests|benchmarks|solutions|docs)/[\w./-]*\w)")
+
+
+def test_every_path_the_release_names_is_in_it_or_said_to_be_the_instructors(release: Path):
+    """A student reads every shipped text: a path to the suite, the benchmarks, the solutions or a doc the
+    release leaves out is named only in a paragraph (a line of a .yml) that says it is the instructor's copy's. The Makefile
+    names them to refuse its targets (`test_make_targets_the_release_cannot_run_say_so...`)."""
+    import nbformat
+
+    from labkit.grading.exercises import source
+
+    unsaid = []
+    for path in sorted(
+        p for p in release.rglob("*") if p.is_file() and p.suffix in {".md", ".ipynb", ".yml"}
+    ):
+        if path.suffix == ".ipynb":
+            texts = [source(c) for c in nbformat.read(path, as_version=4).cells]
+        elif path.suffix == ".yml":  # comments: a line each
+            texts = path.read_text().splitlines()
+        else:
+            texts = [path.read_text()]
+        for paragraph in (p for text in texts for p in re.split(r"\n\s*\n", text)):
+            for name in COURSE_PATH.findall(paragraph):
+                if not (release / name).exists() and "instructor's copy" not in paragraph:
+                    unsaid.append(f"{path.relative_to(release)}: {name}")
+    assert not unsaid, unsaid
 
 
 @pytest.mark.parametrize(("target", "folder"), [("test", "tests"), ("bench", "benchmarks")])
@@ -238,6 +267,24 @@ def test_check_runs_the_public_checks_from_the_release(release: Path, tmp_path: 
     assert "no points: `shard_rows` is labkit.zero.sharding.shard_dim0" in library, library
 
 
+def test_labkit_grade_in_the_release_refuses_in_one_sentence(release: Path):
+    """The release has no grader checks: `labkit grade` says so and exits 2, before grading anything."""
+    done = subprocess.run(
+        [sys.executable, "-m", "labkit", "grade", "exercises/02_shard_gather.ipynb"],
+        cwd=release,
+        env={**os.environ, "PYTHONPATH": str(release)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "labkit grade: this copy of labkit has no grader checks (the student release leaves them out); grade "
+        "with the instructor's copy, and run the last cell of an exercise, check(), for its public checks"
+    ]
+    assert not list(release.glob("exercises/*.report.json"))
+
+
 # ------------------------------------------------------------------------------- the public checks, here
 
 
@@ -334,6 +381,9 @@ def test_the_student_02_runs_on_its_stubs_and_passes_once_the_pieces_are_written
     verdicts = re.findall(r"^([✓✗]) (\w+): (.*)$", stubbed, re.M)
     assert len(verdicts) == 6 and all(v[0] == "✗" and "write this piece: " in v[2] for v in verdicts), stubbed
     assert "Not yet: the runs below train your six pieces" in stubbed
+    assert (
+        stubbed.count(reveal.NOT_YET) == 3 and "def start_gather" not in stubbed
+    )  # labkit's own: after yours
     # the learner writes each piece: here, the instructor's filled cells typed into the stubs
     filled = {c["id"]: c["source"] for c in json.loads((ROOT / "notebooks" / name).read_text())["cells"]}
     nb = json.loads(copy.read_text())
@@ -344,4 +394,5 @@ def test_the_student_02_runs_on_its_stubs_and_passes_once_the_pieces_are_written
     written = "\n".join(_execute_from_release(release, copy, monkeypatch))
     verdicts = re.findall(r"^([✓✗]) (\w+): ", written, re.M)
     assert [v[0] for v in verdicts] == ["✓"] * 6, written
+    assert reveal.NOT_YET not in written
     assert float(re.search(r"largest relative difference: (\S+)", written).group(1)) < 1e-4

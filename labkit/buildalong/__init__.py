@@ -5,6 +5,7 @@
     verdicts.py   from what the ranks measured to the sentence: what is right, or the mistake it names
     cells.py      the pieces notebook 02's `build` cells define (filled in the instructor's copy)
     stubs.py      what an unwritten build cell raises, and the sentence a check says of it
+    reveal.py     labkit's own version of a piece, shown once the learner's build passed its checks
     fsdp2_check.py      notebook 05's build check: the learner's fully_shard calls on real ranks
     deepspeed_check.py  notebook 06's build check: the learner's ZeRO-3 config and training step
 

@@ -132,6 +132,13 @@ def _positive(value: float | None, flag: str, example: str) -> None:
 
 
 def _check(args: argparse.Namespace) -> Path:
+    from labkit.grading.kit import has_grader_checks
+
+    if not has_grader_checks():
+        raise UsageError(
+            "labkit grade: this copy of labkit has no grader checks (the student release leaves them out); "
+            "grade with the instructor's copy, and run the last cell of an exercise, check(), for its public checks"
+        )
     target = Path(args.submission)
     _positive(args.timeout, "--timeout", "300")
     _positive(args.check_timeout, "--check-timeout", "60")

@@ -29,6 +29,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from labkit.grading import integrity
@@ -158,6 +159,13 @@ class SharedLaunch:
         if self._key is None or len(self._key) != len(key):
             return False
         return all(a is b or (not callable(a) and a == b) for a, b in zip(self._key, key, strict=True))
+
+
+def has_grader_checks() -> bool:
+    """Whether this labkit holds the grader's checks (`labkit/grading/checks/ex*.py`); the student release
+    does not."""
+    checks = importlib.import_module(CHECKS_PACKAGE)
+    return any(Path(checks.__file__).parent.glob("ex*.py"))
 
 
 def load(exercise_id: str) -> Exercise:
