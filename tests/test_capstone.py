@@ -1,8 +1,8 @@
 """The capstone (exercise 07): the solution scores full marks, the pristine exercise 0 (graded, not an error),
-and seven planted mistakes each lose the checks of the property they break, with feedback naming the mistake.
+and eight planted mistakes each lose the checks of the property they break, with feedback naming the mistake.
 
-One `labkit grade DIR --gradebook` batch grades the nine submissions (about a minute on two loaded cores with
---jobs 3); the planted mistakes are edits of the solution's answer cells in temporary copies.
+One `labkit grade DIR --gradebook` batch grades the ten submissions (a minute and a half on two loaded
+cores with --jobs 3); the planted mistakes are edits of the solution's answer cells in temporary copies.
 """
 
 from __future__ import annotations
@@ -55,6 +55,18 @@ PLANTED = {
         )
     ],
     "full_grads_kept": [("answer-hooks", "        p.grad = None\n", "")],  # autograd accumulates into them
+    "kept_in_a_global": [  # every receive buffer kept in a list of the answers' own: freed is not freed
+        (
+            "answer-unit",
+            "def start_gather(unit: Unit) -> None:",
+            "KEPT = []\n\n\ndef start_gather(unit: Unit) -> None:",
+        ),
+        (
+            "answer-unit",
+            "    by_rank = recv.view(unit.n, -1)",
+            "    KEPT.append(recv)\n    by_rank = recv.view(unit.n, -1)",
+        ),
+    ],
     "tensor_swapped_free": [  # "freed" by a new empty tensor: autograd saved the gathered one, alive to backward
         (
             "answer-hooks",
@@ -76,6 +88,7 @@ LOSES = {
     "no_mean": {TRAINING},
     "kept_after_forward": {FREED},
     "full_grads_kept": {TRAINING, SHARDED_GRADS, STATE},
+    "kept_in_a_global": {FREED, SHARDED_GRADS},
     "tensor_swapped_free": {FREED},
     "all_reduce": {BYTES},
 }
@@ -85,6 +98,7 @@ SAYS = {
     "no_mean": "divide the reduce-scatter's sum by n",
     "kept_after_forward": "free them in after_forward",
     "full_grads_kept": "set each p.grad to None",
+    "kept_in_a_global": "free them in after_forward",
     "tensor_swapped_free": "free a parameter's storage, not its tensor",
     "all_reduce": "also ran all_reduce: ZeRO-3 needs only all-gathers and reduce-scatters",
 }
@@ -201,31 +215,35 @@ def test_forged_or_malformed_observations_earn_nothing():
 
 def test_the_memory_probe_weighs_every_full_tensor_a_unit_keeps_and_what_autograd_saved():
     """`held_bytes`: a unit's parameters, `pending` and any attribute the student added (containers too),
-    and the storages its parameters had when gathered while they live on (autograd keeps one a free by
-    `p.data = torch.empty(0)` left); never its shards or their gradients."""
+    the storages its parameters had when gathered while they live on (autograd keeps one a free by
+    `p.data = torch.empty(0)` left) and, `anywhere`, a tensor anywhere that holds rows other ranks keep (a
+    copy in the answers' globals); never its shards or their gradients, nor a copy of this rank's rows."""
     import torch
 
     from labkit.buildalong.scaffold import Unit
-    from labkit.grading.checks.ex07_capstone_memory import gathered_storages, held_bytes
+    from labkit.grading.checks.ex07_capstone_memory import gathered, held_bytes
 
-    linear = torch.nn.Linear(4, 6)
-    params = list(linear.parameters())  # 24 + 6 floats, gathered
-    shards = [torch.zeros(2, 4, requires_grad=True), torch.zeros(2, requires_grad=True)]
-    shards[0].grad = torch.zeros(2, 4)
+    linear = torch.nn.Linear(16, 6)
+    params = list(linear.parameters())  # 96 + 6 floats, gathered; 3 ranks keep 2 rows each
+    shards = [torch.zeros(2, 16, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    shards[0].grad = torch.zeros(2, 16)
     unit = Unit("blocks.0", linear, params, shards, [6, 6], rank=0, n=3)
-    full = 4 * (24 + 6)
-    assert held_bytes(unit) == full
-    gathered = gathered_storages(unit)
-    out = linear(torch.ones(1, 4, requires_grad=True))  # autograd saves the weight for backward
+    assert held_bytes(unit) == 4 * (96 + 6)
+    seen = gathered(unit)
+    kept = {"full": linear.weight.detach().clone(), "mine": linear.weight.detach()[:2].clone()}  # a global
+    out = linear(torch.ones(1, 16, requires_grad=True))  # autograd saves the weight for backward
     for p in params:
         p.untyped_storage().resize_(0)  # the storage trick: nothing left, saved views included
-    assert held_bytes(unit, gathered) == 0
+    assert held_bytes(unit, seen) == 0
+    assert held_bytes(unit, seen, anywhere=True) == 4 * 96  # the global copy; "mine" holds rank 0's rows only
+    del kept["full"]
+    assert held_bytes(unit, seen, anywhere=True) == 0
     for p in params:
         p.untyped_storage().resize_(4 * p.numel())
         p.data = torch.empty(0)  # a new tensor: the gathered weight lives on where autograd saved it
-    assert held_bytes(unit) == 0 and held_bytes(unit, gathered) == 4 * 24
+    assert held_bytes(unit) == 0 and held_bytes(unit, seen) == 4 * 96
     del out
-    assert held_bytes(unit, gathered) == 0  # the graph is gone: so is what it saved
+    assert held_bytes(unit, seen) == 0  # the graph is gone: so is what it saved
     unit.gathered = torch.zeros(30)  # kept beside the unit
     unit.pending["grads"] = [torch.zeros(24), (torch.zeros(6),)]
     assert held_bytes(unit) == 4 * (30 + 24 + 6)

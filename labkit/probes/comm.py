@@ -377,6 +377,14 @@ class Buffer(NamedTuple):
     storage_references: int
 
 
+def in_flight(objects: list) -> set[int]:
+    """The storage addresses of the CPU tensors of every async collective in `objects` (`gc.get_objects()`)
+    issued and not yet waited for: a receive buffer still holds whatever its memory held before."""
+    return {
+        b.tensor.untyped_storage().data_ptr() for o in objects if type(o) is _ProbedWork for b in o._buffers
+    }
+
+
 def _tensor_references(t: torch.Tensor) -> int:
     """References to the tensor: its Python object counts once, each copy of it a Work holds once."""
     return t._use_count()

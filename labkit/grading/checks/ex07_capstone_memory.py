@@ -3,10 +3,11 @@
 The probe side (`Watch`) weighs the full tensors each unit holds (`held_bytes`: whatever its fields reach,
 its parameters, `pending` and any attribute the student added, and the storages its parameters had when its
 weights were last gathered, while alive) when its `after_forward` returns, the most all units hold together
-while the model's forward runs, and the full and sharded gradients left when its `after_grad` returns. Not
-weighed: tensors kept in the answers' own globals, or in objects other than containers. The judges compare
-them with what ZeRO-3 keeps: nothing full between a unit's forward and backward, at most the root, the block
-computing and the one prefetched during the forward, and only gradient shards after the reduce-scatter.
+while the model's forward runs, and the full and sharded gradients left when its `after_grad` returns. In the
+step the judges read, those two moments also weigh any tensor Python reaches that holds rows of the unit's
+weights that another rank keeps (a copy kept in the answers' globals). The judges compare them with what
+ZeRO-3 keeps: nothing full between a unit's forward and backward, at most the root, the block computing and
+the one prefetched during the forward, and only gradient shards after the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import functools
 import math
 import weakref
-from collections.abc import Iterable
+from typing import NamedTuple
 
 from labkit.grading.checks.ex07_capstone_model import RANKS, padded_elements, unit_shapes
 from labkit.grading.kit import tally
@@ -25,14 +26,44 @@ from labkit.grading.kit import tally
 
 # A unit's fields that are not its to hold: the module, its shards (the state ZeRO-3 keeps), its neighbours.
 NOT_HELD = ("module", "shards", "next", "prev")
+MIN_ROWS_BYTES = 64  # a block of other ranks' rows shorter than this could match other bytes by chance
 
 
-def held_bytes(unit, gathered: Iterable[weakref.ref] = ()) -> int:
+class Gathered(NamedTuple):
+    """What tells a unit's gathered weights, taken when a gather moment returns: its parameters' storages
+    then (weak references) and the bytes of each block of rows that another rank keeps, which only a gathered
+    copy of the weights holds (blocks shorter than MIN_ROWS_BYTES, or all zeros, are left out)."""
+
+    storages: list[weakref.ref]
+    others_rows: list[bytes]
+
+
+def gathered(unit) -> Gathered:
+    """`Gathered` of `unit` now (its weights just gathered into its parameters)."""
+    from labkit.probes.memory import storages
+
+    rows = []
+    for p, s in zip(unit.params, unit.shards, strict=True):
+        k = s.shape[0]
+        for r in range(unit.n):
+            block = p.detach()[r * k : (r + 1) * k]
+            if (
+                r != unit.rank
+                and block.numel() * block.element_size() >= MIN_ROWS_BYTES
+                and bool(block.any())
+            ):
+                rows.append(_raw(block))
+    return Gathered([weakref.ref(st) for st in storages(unit.params) if st.nbytes()], rows)
+
+
+def held_bytes(unit, seen: Gathered | None = None, anywhere: bool = False) -> int:
     """Full-tensor bytes `unit` holds now: the storages of every tensor its fields reach (its parameters,
     `pending`, any attribute the student added; tensors, tuples, lists, dicts, dataclasses) and those of
-    `gathered` still alive: its parameters' storages when its weights were last gathered. A free that
+    `seen.storages` still alive: its parameters' storages when its weights were last gathered. A free that
     swaps a parameter's tensor (`p.data = torch.empty(0)`) leaves the gathered storage to autograd, which
-    saved it in forward. Each storage once, its shards' and their gradients' left out; a freed one holds 0 B.
+    saved it in forward. `anywhere`: also every storage Python reaches that holds a block of
+    `seen.others_rows` (a copy kept in the answers' globals). Each storage once, its shards' and their
+    gradients' left out; a freed one holds 0 B.
     """
     from labkit.probes.memory import storages
     from labkit.zero.outputs import output_tensors
@@ -40,15 +71,45 @@ def held_bytes(unit, gathered: Iterable[weakref.ref] = ()) -> int:
     own = {st.data_ptr() for st in storages([*unit.shards, *(s.grad for s in unit.shards)])}
     fields = [value for name, value in vars(unit).items() if name not in NOT_HELD]
     held = {st.data_ptr(): st.nbytes() for st in storages(output_tensors(fields))}
-    held.update((st.data_ptr(), st.nbytes()) for st in (ref() for ref in gathered) if st is not None)
+    if seen is not None:
+        held.update((st.data_ptr(), st.nbytes()) for st in (ref() for ref in seen.storages) if st is not None)
+        if anywhere and seen.others_rows:
+            held.update(
+                (st.data_ptr(), st.nbytes()) for st in _holding(seen.others_rows, skip=own | set(held))
+            )
     return sum(nbytes for ptr, nbytes in held.items() if ptr not in own)
 
 
-def gathered_storages(unit) -> list[weakref.ref]:
-    """Weak references to the storages of `unit`'s parameters now (they hold its weights once gathered)."""
+def _holding(blocks: list[bytes], skip: set[int]) -> list:
+    """The storages of the tensors Python reaches (not those at the addresses in `skip`, nor those of a
+    collective in flight) whose bytes hold any of `blocks`."""
+    import gc
+
+    import torch
+
+    from labkit.probes.comm import in_flight
     from labkit.probes.memory import storages
 
-    return [weakref.ref(st) for st in storages(unit.params) if st.nbytes()]
+    objects = gc.get_objects()
+    tensors = [o for o in objects if issubclass(type(o), torch.Tensor)]  # no __class__ lookups
+    skip = skip | in_flight(objects)  # a receive buffer not yet written holds its memory's stale bytes
+    found = {}
+    for st in storages(tensors):
+        ptr = st.data_ptr()
+        if ptr in skip or ptr in found or st.nbytes() < MIN_ROWS_BYTES or st.device.type != "cpu":
+            continue
+        raw = _raw(torch.empty(0, dtype=torch.uint8).set_(st))
+        if any(block in raw for block in blocks):
+            found[ptr] = st
+    return list(found.values())
+
+
+def _raw(t) -> bytes:
+    """The bytes of a contiguous CPU tensor, through a copy (a storage numpy has viewed cannot be resized:
+    the student's `load` and `free` must still work)."""
+    import torch
+
+    return t.reshape(-1).view(torch.uint8).clone().numpy().tobytes()
 
 
 class Watch:
@@ -62,8 +123,7 @@ class Watch:
         self.after_grad: dict[str, dict] = {}
         self.peak = {"bytes": 0, "unit": ""}
         self.units: list = []
-        # unit name -> `gathered_storages` at the unit's last gather
-        self.gathered: dict[str, list[weakref.ref]] = {}
+        self.gathered: dict[str, Gathered] = {}  # unit name -> `gathered` at the unit's last gather
 
     def wrapped(self):
         """The pieces with four moments weighed (the other fields as the student wrote them)."""
@@ -90,21 +150,25 @@ class Watch:
                 self.units.append(self.units[-1].next)
             self.peak = {"bytes": 0, "unit": ""}
         moment(unit)
-        self.gathered[unit.name] = gathered_storages(unit)
+        self.gathered[unit.name] = gathered(unit)
         total = sum(self._held(u) for u in self.units)
         if total > self.peak["bytes"]:
             self.peak = {"bytes": total, "unit": unit.name}
 
-    def _held(self, unit) -> int:
-        return held_bytes(unit, self.gathered.get(unit.name, []))
+    def _held(self, unit, anywhere: bool = False) -> int:
+        """`held_bytes`; `anywhere` only in the step whose CPU peak the loop measures (the last, the one the
+        judges read), where the comm probe also frees a collective's buffers in the program's own order."""
+        from labkit.probes.memory import measuring_cpu
+
+        return held_bytes(unit, self.gathered.get(unit.name), anywhere and measuring_cpu())
 
     def _after_forward(self, moment, unit) -> None:
         moment(unit)
-        self.after_forward[unit.name] = self._held(unit)
+        self.after_forward[unit.name] = self._held(unit, anywhere=True)
 
     def _before_backward(self, moment, unit) -> None:
         moment(unit)
-        self.gathered[unit.name] = gathered_storages(unit)
+        self.gathered[unit.name] = gathered(unit)
 
     def _after_grad(self, moment, unit) -> None:
         moment(unit)
@@ -115,7 +179,7 @@ class Watch:
             if s.grad is not None and tuple(s.grad.shape) == tuple(s.shape)
         )
         self.after_grad[unit.name] = {
-            "weights": self._held(unit),
+            "weights": self._held(unit, anywhere=True),
             "grads": full_grads,
             "shard_grads": shard_grads,
         }
