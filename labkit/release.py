@@ -19,6 +19,7 @@ import nbformat
 
 from labkit.course import PACKAGE_DIR, course_dir
 from labkit.grading.exercises import ANSWER, NOTEBOOK_VERSION, source
+from labkit.grading.kit import CHECK_MODULES
 
 MARKER = ".labkit-release"  # in a folder this command wrote: a later run may replace its contents
 KEPT = (".git", MARKER)  # what a re-release leaves in place (the repository students pull)
@@ -37,7 +38,8 @@ COURSE_FILES = (
     "Makefile",
     "scripts/install-debian-packages",
 )
-INSTRUCTOR_ONLY = ("grading/checks/ex*.py", "_course")  # under labkit/: the grader's checks, a wheel's course
+# Under labkit/: the grader's checks, a wheel's course.
+INSTRUCTOR_ONLY = (f"grading/checks/{CHECK_MODULES}", "_course")
 JUNK = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.executed.ipynb")
 README = """# labkit: the student copy
 

@@ -36,6 +36,7 @@ from labkit.grading import integrity
 
 _ID = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 CHECKS_PACKAGE = "labkit.grading.checks"  # one module per exercise id, each defining EXERCISE
+CHECK_MODULES = "ex*.py"  # the grader's check modules in that package (the student release leaves them out)
 DEFAULT_LIMIT_S = 30.0  # a probe that calls plain functions; one that launches ranks says more
 ERROR_CHARS = 600  # of a probe's error, in the feedback
 _LAUNCH_MARGIN_S = (
@@ -162,10 +163,10 @@ class SharedLaunch:
 
 
 def has_grader_checks() -> bool:
-    """Whether this labkit holds the grader's checks (`labkit/grading/checks/ex*.py`); the student release
+    """Whether this labkit holds the grader's checks (CHECK_MODULES of CHECKS_PACKAGE); the student release
     does not."""
     checks = importlib.import_module(CHECKS_PACKAGE)
-    return any(Path(checks.__file__).parent.glob("ex*.py"))
+    return any(Path(checks.__file__).parent.glob(CHECK_MODULES))
 
 
 def load(exercise_id: str) -> Exercise:

@@ -58,6 +58,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
+from torch.utils._pytree import tree_leaves
 
 from labkit.budget import collective_wire_bytes
 from labkit.collectives import COLLECTIVES, COUNTED, Patch
@@ -358,15 +359,10 @@ def _buffers(arguments: dict) -> list[Buffer]:
     buffer is freed by the last of the program's own references. Taken at every call: a collective issued
     before a peak is measured (a prefetch) may be waited for inside it.
     """
-    found: list[torch.Tensor] = []
-    stack = list(arguments.values())
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, list | tuple):
-            stack.extend(value)
-    return [Buffer(t, _tensor_references(t), _storage_references(t)) for t in found if t.device.type == "cpu"]
+    tensors = [t for t in tree_leaves(list(arguments.values())) if isinstance(t, torch.Tensor)]
+    return [
+        Buffer(t, _tensor_references(t), _storage_references(t)) for t in tensors if t.device.type == "cpu"
+    ]
 
 
 class Buffer(NamedTuple):

@@ -38,11 +38,15 @@ class Gathered(NamedTuple):
     others_rows: list[bytes]
 
 
-def gathered(unit) -> Gathered:
-    """`Gathered` of `unit` now (its weights just gathered into its parameters)."""
+def gathered(unit, rows: bool = True) -> Gathered:
+    """`Gathered` of `unit` now (its weights just gathered into its parameters); `rows`: with the blocks of
+    other ranks' rows too (a copy of them, only worth taking where `held_bytes` looks `anywhere`)."""
     from labkit.probes.memory import storages
 
-    rows = []
+    refs = [weakref.ref(st) for st in storages(unit.params) if st.nbytes()]
+    if not rows:
+        return Gathered(refs, [])
+    blocks = []
     for p, s in zip(unit.params, unit.shards, strict=True):
         k = s.shape[0]
         for r in range(unit.n):
@@ -52,8 +56,8 @@ def gathered(unit) -> Gathered:
                 and block.numel() * block.element_size() >= MIN_ROWS_BYTES
                 and bool(block.any())
             ):
-                rows.append(_raw(block))
-    return Gathered([weakref.ref(st) for st in storages(unit.params) if st.nbytes()], rows)
+                blocks.append(_raw(block))
+    return Gathered(refs, blocks)
 
 
 def held_bytes(unit, seen: Gathered | None = None, anywhere: bool = False) -> int:
@@ -150,7 +154,7 @@ class Watch:
                 self.units.append(self.units[-1].next)
             self.peak = {"bytes": 0, "unit": ""}
         moment(unit)
-        self.gathered[unit.name] = gathered(unit)
+        self._gathered(unit)
         total = sum(self._held(u) for u in self.units)
         if total > self.peak["bytes"]:
             self.peak = {"bytes": total, "unit": unit.name}
@@ -168,7 +172,13 @@ class Watch:
 
     def _before_backward(self, moment, unit) -> None:
         moment(unit)
-        self.gathered[unit.name] = gathered(unit)
+        self._gathered(unit)
+
+    def _gathered(self, unit) -> None:
+        """Note what tells `unit`'s gathered weights; their rows only in the step weighed `anywhere`."""
+        from labkit.probes.memory import measuring_cpu
+
+        self.gathered[unit.name] = gathered(unit, rows=measuring_cpu())
 
     def _after_grad(self, moment, unit) -> None:
         moment(unit)
