@@ -1,7 +1,7 @@
 """The grader: solutions get full marks, pristine exercises 0 (status graded), and hostile submissions
 built from the real exercises get the status and score the contract states.
 
-Most cases share one batch of 33 submissions graded by `labkit grade DIR --gradebook` with a roster, a
+Most cases share one batch of 34 submissions graded by `labkit grade DIR --gradebook` with a roster, a
 deadline, a class seed and a memory limit (the expensive part: about 25 papermill runs). Two side runs start
 before it and run beside it: a submission whose gather hangs (short limits) and a hostile one (a memory bomb,
 a fork bomb, a socket to this machine, another student's file) under --memory-limit and the sandbox. The
@@ -129,6 +129,14 @@ def shard_rows(full, rank, world_size):  # labkit's own, by a module name built 
     return importlib.import_module("labkit." + "zero.sharding").shard_dim0(full, rank, world_size)
 """
 
+HIDDEN_SHARD = """import importlib
+
+
+def shard_rows(full, rank, world_size):  # labkit's own, through an import function no watch wraps
+    module = importlib.__import__("labkit." + "zero.sharding", fromlist=["shard_" + "dim0"])
+    return getattr(module, "shard_" + "dim0")(full, rank, world_size)
+"""
+
 
 def wrong_padding_shard(full, rank: int, world_size: int):
     rows = full.shape[0] // world_size + 1
@@ -139,7 +147,7 @@ def wrong_padding_shard(full, rank: int, world_size: int):
 
 
 def build_batch(folder: Path, report_dir: Path) -> dict[str, str]:
-    """Write the 33 submissions; returns {file name: what it is}."""
+    """Write the 34 submissions; returns {file name: what it is}."""
     kinds: dict[str, str] = {}
 
     def put(name: str, nb, kind: str) -> None:
@@ -198,7 +206,8 @@ def build_batch(folder: Path, report_dir: Path) -> dict[str, str]:
     next(c for c in library.cells if c.id == "answer-gather").source = SKIPPING_GATHER
     put("library_skip02.ipynb", library, "library_skip02")
     put("by_name03.ipynb", edited(SOL03, "answer-flat", NAMED_COLLECTIVE, append=False), "by_name03")
-    assert len(kinds) == 33
+    put("hidden_call02.ipynb", edited(SOL02, "answer-shard", HIDDEN_SHARD, append=False), "hidden_call02")
+    assert len(kinds) == 34
     for name in kinds:
         stamp = LATE if name == "padding02.ipynb" else ON_TIME
         os.utime(folder / name, (stamp, stamp))
@@ -506,7 +515,7 @@ def test_the_gradebook_has_a_row_per_submission_and_per_absent_student(batch):
     [absent] = [row for row in rows if not row["file"]]
     assert (absent["student"], absent["status"], absent["score"]) == ("zoe", "missing", "0")
     progress = [line for line in batch["stdout"].splitlines() if line.startswith("[")]
-    assert len(progress) == 33 and progress[-1].startswith("[33/33]")
+    assert len(progress) == 34 and progress[-1].startswith("[34/34]")
 
 
 def test_the_canvas_import_has_every_rostered_student(batch):
@@ -544,10 +553,19 @@ def test_a_wrong_padding_formula_loses_points_in_a_real_grade(batch):
 def test_labkits_own_answer_imported_at_run_time_earns_nothing_and_is_named(batch):
     r = batch["reports"]["library_skip02.ipynb"]
     shard = answer_checks(r)[0]
-    assert shard["points"] == 0 and "uses labkit.zero.sharding, labkit's own" in shard["feedback"], shard
-    assert r["integrity"] == [{"cell": "answer-shard", "uses": ["labkit.zero.sharding"]}]
+    uses = ["labkit.zero.sharding", "labkit.zero.sharding.shard_dim0"]  # the import, then the call
+    assert shard["points"] == 0 and f"uses {', '.join(uses)}, labkit's own" in shard["feedback"], shard
+    assert r["integrity"] == [{"cell": "answer-shard", "uses": uses}]
     row = next(row for row in batch["rows"] if row["file"] == r["file"])
     assert "labkit's own implementation" in row["warning"]
+
+
+def test_labkits_own_answer_called_however_it_was_reached_earns_nothing_and_is_named(batch):
+    r = batch["reports"]["hidden_call02.ipynb"]
+    shard, gather = answer_checks(r)
+    assert shard["points"] == 0 and "uses labkit.zero.sharding.shard_dim0, labkit's own" in shard["feedback"]
+    assert gather["passed"], gather  # the cell that calls it defines only shard_rows
+    assert r["integrity"] == [{"cell": "answer-shard", "uses": ["labkit.zero.sharding.shard_dim0"]}]
 
 
 def test_a_collective_imported_by_name_is_seen_by_the_graders_probes(batch):
@@ -821,13 +839,13 @@ def gather_full(shard, d0, world_size):
 """
 
 
-def test_the_import_watch_sees_modules_an_answer_imports_by_a_name_built_at_run_time(tmp_path):
+def test_the_use_watch_sees_modules_an_answer_imports_by_a_name_built_at_run_time(tmp_path):
     import torch
 
     exercise = load("ex02_shard")
     cells = [{"id": "answer-shard", "role": "answer", "source": RUNTIME_IMPORT}]
     assert integrity.scan(cells, exercise.forbidden, exercise.allowed) == {}  # the source rule misses it
-    watch = integrity.ImportWatch(exercise.forbidden, exercise.allowed, ["answer-shard"], tmp_path / "log")
+    watch = integrity.UseWatch(exercise.forbidden, exercise.allowed, ["answer-shard"], tmp_path / "log")
     namespace: dict = {}
     watch.install()
     try:
@@ -840,7 +858,71 @@ def test_the_import_watch_sees_modules_an_answer_imports_by_a_name_built_at_run_
         namespace["gather_full"](None, 0, 2)
     finally:
         watch.remove()
-    assert watch.found() == {"answer-shard": ["labkit.zero.comm", "labkit.zero.sharding"]}
+    assert watch.found() == {
+        "answer-shard": ["labkit.zero.comm", "labkit.zero.sharding", "labkit.zero.sharding.shard_dim0"]
+    }
+
+
+HIDDEN_CALLS = """import sys
+
+
+def shard_rows(full, rank, world_size):  # found in sys.modules by a name built at run time
+    return getattr(sys.modules["labkit." + "zero.sharding"], "shard_" + "dim0")(full, rank, world_size)
+
+
+def gather_full(shard, d0, world_size):  # a string the cell compiles and runs itself
+    return eval("sys.modules['labkit.' + 'zero.sharding'].unshard_dim0([shard], d0)")
+
+
+def pack(shards):  # through code the exercise hands out: the scaffold's call, not the answer's
+    return [dim0_rows(s.shape[0], 2) for s in shards]
+
+
+def unwatched():
+    sys.settrace(None)
+"""
+
+
+def test_the_use_watch_sees_labkit_code_an_answer_calls_however_it_reached_it(tmp_path):
+    import sys
+
+    import torch
+
+    from labkit.zero import sharding
+
+    exercise = load("ex02_shard")
+    cells = [{"id": "answer-shard", "role": "answer", "source": HIDDEN_CALLS}]
+    assert integrity.scan(cells, exercise.forbidden, exercise.allowed) == {}  # the source rule misses them
+    watch = integrity.UseWatch(exercise.forbidden, exercise.allowed, ["answer-shard"], tmp_path / "log")
+    namespace: dict = {}
+    given = "from labkit.zero.sharding import dim0_rows as _rows\n\ndef dim0_rows(d0, n):\n    return _rows(d0, n)"
+    exec(compile(given, "<cell setup>", "exec"), namespace)
+    before = sys.gettrace()
+    watch.install()
+    try:
+        exec(compile(HIDDEN_CALLS, "<cell answer-shard>", "exec"), namespace)
+        sharding.shard_dim0(torch.ones(4, 2), 0, 2)  # not called by an answer cell: not noted
+        namespace["pack"]([torch.ones(3, 2)])
+        assert watch.found() == {}
+        assert namespace["shard_rows"](torch.arange(6.0).view(3, 2), 1, 2).tolist() == [
+            [4.0, 5.0],
+            [0.0, 0.0],
+        ]
+        namespace["gather_full"](torch.ones(2, 2), 2, 1)
+        namespace["unwatched"]()
+        assert sys.gettrace() is not before  # the trace stays on
+        namespace["shard_rows"](torch.ones(2, 2), 0, 2)
+    finally:
+        watch.remove()
+    assert sys.gettrace() is before
+    assert watch.found() == {
+        "answer-shard": [
+            "labkit.grading.integrity.UseWatch",
+            "labkit.zero.sharding.shard_dim0",
+            "labkit.zero.sharding.unshard_dim0",
+        ]
+    }
+    assert len((tmp_path / "log").read_text().splitlines()) == 3  # each use once, however often it ran
 
 
 def _enter(name: str, *shapes) -> dict:

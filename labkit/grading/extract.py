@@ -3,8 +3,8 @@
 JOB (written by the grader) names the exercise, the seed, the time limits and the cells to run: the pristine
 exercise's `parameters` and `setup` cells and the submission's `answer` cells, in notebook order. This process
 imports the check module first and runs each cell in one namespace, each under its own time limit (a cell that
-raises or runs past it is recorded, and the next one runs), while `integrity.ImportWatch` notes the forbidden
-modules the answer cells import. Then each group of checks (see
+raises or runs past it is recorded, and the next one runs), while `integrity.UseWatch` notes the forbidden
+labkit code the answer cells import or call. Then each group of checks (see
 `labkit.grading.kit`) runs its probes in a forked child of its own, under the group's limit: a probe that
 hangs, crashes or exhausts a resource costs only its own checks, and the report says where it was stopped.
 OUT gets the observations after every group. Nothing here is trusted: OUT is data for the grader's judges.
@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
     sources = {c["id"]: c["source"] for c in job["cells"]}
     namespace: dict = {"__name__": "__main__"}
     answers = [c["id"] for c in job["cells"] if c["role"] == "answer"]
-    watch = integrity.ImportWatch(
+    watch = integrity.UseWatch(
         exercise.forbidden, exercise.allowed, answers, out_path.with_name("imports.log")
     ).install()
     ran = []

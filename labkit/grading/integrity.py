@@ -7,8 +7,8 @@ every import, every attribute chain and `getattr` on an imported name, and every
 module, resolved through the imports of the pristine set-up cells and of the answer cells so far. A check
 whose answers are defined in a cell that uses one earns no points, with a sentence saying why. The answers
 process adds what source cannot show: an answer object that *is* a function of a forbidden module
-(`answer_origins`), however it was reached, and a forbidden module an answer cell imports by a name built at
-run time (`ImportWatch`). The grader's own code (`labkit.grading`: its probes, its reference answers) is
+(`answer_origins`), however it was reached, and forbidden code an answer cell imports or calls, whatever name
+it built to reach it (`UseWatch`). The grader's own code (`labkit.grading`: its probes, its reference answers) is
 forbidden in every exercise.
 """
 
@@ -20,9 +20,11 @@ import importlib
 import importlib.util
 import os
 import sys
+import threading
 from collections.abc import Iterable, Sequence
 
 GRADER = "labkit.grading"  # forbidden in every exercise: its probes and its reference answers
+WATCH = f"{GRADER}.integrity.UseWatch"  # what an answer cell that turns the watch's trace off uses
 
 # Per exercise: (forbidden: dotted prefixes of the labkit code that implements what its answers must write;
 # allowed: exact dotted names under them that the exercise hands the student). Here, not in the grader's
@@ -193,54 +195,112 @@ def sentence(uses_: Sequence[str], cell: str) -> str:
     )
 
 
-class ImportWatch:
-    """Records every forbidden module an answer cell imports while installed, by whatever name it builds
-    (`importlib.import_module("labkit." + "zero")`, `__import__(name)`), which reading the source cannot show.
+class UseWatch:
+    """Records every forbidden labkit code an answer cell imports or calls while installed, however it got
+    there: a module name built at run time (`importlib.import_module("labkit." + "zero")`, `__import__`),
+    `sys.modules[...]`, `getattr` with a built name, `eval` of a string. Reading the source shows none of them.
 
-    It wraps `builtins.__import__` and `importlib.import_module` and looks at the calling frame: code compiled
-    as `<cell ID>` for an answer cell's ID. Each hit is one line `ID<TAB>module` appended to `log`, so the
-    forked children that run the probes (and the ranks they fork) report theirs too."""
+    Imports: it wraps `builtins.__import__` and `importlib.import_module` and notes a forbidden module when
+    the importing frame is an answer cell's code. Calls: a trace function (`sys.settrace`, and
+    `threading.settrace` for threads started later) sees each Python function begin, and notes
+    `module.qualname` when the function's module is forbidden and its caller is an answer cell's code. An
+    answer cell's code is code compiled as `<cell ID>`, or code that such code compiled and ran itself
+    (`eval`, `exec`). A call through other code (the scaffold the exercise hands out, say) is not the answer
+    cell's. An answer cell that turns the trace off (`sys.settrace`, `threading.settrace`) is noted as a use
+    of this watch, the grader's own code, and the trace stays on. Each hit is one line `ID<TAB>name`
+    appended to `log`, once per process, so the forked children that run the probes (and the ranks they
+    fork) report theirs too."""
 
     def __init__(self, forbidden: Sequence[str], allowed: Sequence[str], cells: Iterable[str], log):
         self.forbidden, self.allowed = tuple(forbidden), tuple(allowed)
         self.frames = {f"<cell {c}>": c for c in cells}
         self.log = os.fspath(log)
+        self._noted: set[tuple[str, str]] = set()
         self._saved: tuple = ()
+        self._wrappers: set = set()
 
-    def _note(self, frame, paths: Iterable[str]) -> None:
-        cell = self.frames.get(frame.f_code.co_filename) if frame is not None else None
+    def _answer_cell(self, frame) -> str | None:
+        """The answer cell whose code `frame` runs, looking through code that cell compiled at run time."""
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            if filename in self.frames:
+                return self.frames[filename]
+            if not filename.startswith("<") or filename.startswith(("<cell ", "<frozen ")):
+                return None  # a file's code, another cell's, or the import machinery: not the answer's
+            frame = frame.f_back
+        return None
+
+    def _note(self, cell: str | None, paths: Iterable[str]) -> None:
         if cell is None:
             return
-        hits = [p for p in paths if _is_forbidden(p, self.forbidden, self.allowed)]
+        hits = [
+            p
+            for p in paths
+            if _is_forbidden(p, self.forbidden, self.allowed) and (cell, p) not in self._noted
+        ]
         if hits:
+            self._noted.update((cell, p) for p in hits)
             fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             try:
                 os.write(fd, "".join(f"{cell}\t{p}\n" for p in hits).encode())
             finally:
                 os.close(fd)
 
-    def install(self) -> ImportWatch:
+    def _on_call(self, frame, event, arg):
+        """The trace function: runs as each Python function begins; returns None, so no line is traced."""
+        module = frame.f_globals.get("__name__")  # a global trace function only ever sees "call"
+        if isinstance(module, str) and module.startswith("labkit"):
+            if frame.f_code in self._wrappers:  # the watch's own wrappers note what they see themselves
+                return None
+            path = f"{module}.{frame.f_code.co_qualname}"
+            if _is_forbidden(path, self.forbidden, self.allowed):
+                self._note(self._answer_cell(frame.f_back), [path])
+        return None
+
+    def install(self) -> UseWatch:
         real_import, real_import_module = builtins.__import__, importlib.import_module
+        real_settrace, real_thread_settrace = sys.settrace, threading.settrace
 
         def watched_import(name, globals=None, locals=None, fromlist=(), level=0):
             if not level and isinstance(name, str):
                 # `from a import b` is `a.b`, as the source rule reads it
                 names = [f"{name}.{f}" for f in fromlist or () if isinstance(f, str)]
-                self._note(sys._getframe(1), names or [name])
+                self._note(self._answer_cell(sys._getframe(1)), names or [name])
             return real_import(name, globals, locals, fromlist, level)
 
         def watched_import_module(name, package=None):
             if isinstance(name, str):
                 absolute = importlib.util.resolve_name(name, package) if name.startswith(".") else name
-                self._note(sys._getframe(1), [absolute])
+                self._note(self._answer_cell(sys._getframe(1)), [absolute])
             return real_import_module(name, package)
 
-        self._saved = (real_import, real_import_module)
+        def guarded(real):
+            def settrace(function):
+                cell = self._answer_cell(sys._getframe(1))
+                if cell is None:
+                    return real(function)
+                self._note(cell, [WATCH])  # the trace stays on
+
+            return settrace
+
+        traces = (sys.gettrace(), threading.gettrace())
+        self._saved = (real_import, real_import_module, real_settrace, real_thread_settrace, traces)
+        settrace, thread_settrace = guarded(real_settrace), guarded(real_thread_settrace)
+        self._wrappers = {
+            f.__code__ for f in (watched_import, watched_import_module, settrace, thread_settrace)
+        }
         builtins.__import__, importlib.import_module = watched_import, watched_import_module
+        sys.settrace, threading.settrace = settrace, thread_settrace
+        real_thread_settrace(self._on_call)
+        real_settrace(self._on_call)
         return self
 
     def remove(self) -> None:
-        builtins.__import__, importlib.import_module = self._saved
+        real_import, real_import_module, real_settrace, real_thread_settrace, traces = self._saved
+        builtins.__import__, importlib.import_module = real_import, real_import_module
+        sys.settrace, threading.settrace = real_settrace, real_thread_settrace
+        real_settrace(traces[0])
+        real_thread_settrace(traces[1])
 
     def found(self) -> dict[str, list[str]]:
         """{answer cell id: [forbidden modules it imported]} from the log."""
