@@ -1,20 +1,23 @@
 """The capstone (exercise 07): the solution scores full marks, the pristine exercise 0 (graded, not an error),
 and eight planted mistakes each lose the checks of the property they break, with feedback naming the mistake.
 
-One `labkit grade DIR --gradebook` batch grades the ten submissions (a minute and a half on two loaded
-cores with --jobs 3); the planted mistakes are edits of the solution's answer cells in temporary copies.
+Two `labkit grade DIR --gradebook` runs at once: the solution the whole way (its notebook run too), and a
+batch of ten `--answers-only` with --jobs 2 (the solution again, whose grade must be the same, the pristine
+exercise and the planted mistakes, which are edits of the solution's answer cells in temporary copies).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
-from test_grading import answer_checks, labkit_cli, lock_entry, read
+from test_grading import answer_checks, lock_entry, read
 
 from labkit.grading.checks import ex07_capstone as capstone
 from labkit.grading.kit import judge_all, load, submission_seed
@@ -114,29 +117,51 @@ def planted(mistake: str):
     return nb
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict[str, dict]:
-    root = tmp_path_factory.mktemp("capstone")
-    folder = root / "submissions"
-    folder.mkdir()
-    nbformat.write(read(SOLUTION), folder / "solution.ipynb")
-    nbformat.write(read(EXERCISE), folder / "pristine.ipynb")
-    for mistake in PLANTED:
-        nbformat.write(planted(mistake), folder / f"{mistake}.ipynb")
-    gradebook = root / "grades.csv"
-    start = time.monotonic()
-    done = labkit_cli(
-        "grade", str(folder), "--gradebook", str(gradebook), "--timeout", str(BATCH_TIMEOUT_S), "--jobs", "3"
-    )
-    print(f"\ncapstone batch of {len(PLANTED) + 2}: {time.monotonic() - start:.1f} s")
-    assert done.returncode == 0, done.stderr
-    with open(gradebook, newline="") as f:
+def _grade_folder(folder: Path, *flags: str) -> subprocess.Popen:
+    gradebook = folder.parent / f"{folder.name}.csv"
+    cmd = [sys.executable, "-m", "labkit", "grade", str(folder), "--gradebook", str(gradebook), *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _reports(folder: Path) -> dict[str, dict]:
+    with open(folder.parent / f"{folder.name}.csv", newline="") as f:
         files = [row["file"] for row in csv.DictReader(f)]
-    out = root / "grades-reports"
+    out = folder.parent / f"{folder.name}-reports"
     return {
         name.removesuffix(".ipynb"): json.loads((out / name.replace(".ipynb", ".report.json")).read_text())
         for name in files
     }
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, dict]:
+    """The solution graded the whole way (its notebook run too), and beside it, at the same time, a batch
+    graded `--answers-only`: the solution again, the pristine exercise and every planted mistake."""
+    root = tmp_path_factory.mktemp("capstone")
+    full, batch = root / "full", root / "submissions"
+    for folder in (full, batch):
+        folder.mkdir()
+        nbformat.write(read(SOLUTION), folder / "solution.ipynb")
+    nbformat.write(read(EXERCISE), batch / "pristine.ipynb")
+    for mistake in PLANTED:
+        nbformat.write(planted(mistake), batch / f"{mistake}.ipynb")
+    start = time.monotonic()
+    runs = [
+        _grade_folder(full, "--timeout", str(BATCH_TIMEOUT_S)),
+        _grade_folder(batch, "--answers-only", "--jobs", "2"),
+    ]
+    for run in runs:
+        _out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err
+    print(
+        f"\ncapstone: the solution, and a batch of {len(PLANTED) + 2} answers only: {time.monotonic() - start:.1f} s"
+    )
+    graded = _reports(batch)
+    graded[ANSWERS_ONLY] = graded.pop("solution")
+    return {**graded, **_reports(full)}
+
+
+ANSWERS_ONLY = "solution, answers only"
 
 
 @pytest.mark.timeout(600)
@@ -148,6 +173,18 @@ def test_the_solution_scores_full_marks_well_under_a_minute(reports):
     times = r["timings_s"]
     print(f"solution: {r['runtime_s']:.1f} s ({times})")
     assert times["answers"] + times["judge"] < 30, times  # the notebook's own run is the rest
+
+
+def test_answers_only_gives_the_solution_the_grade_of_the_whole_run_without_the_notebook(reports):
+    whole, answers_only = reports["solution"], reports[ANSWERS_ONLY]
+    assert answers_only["seed"] == whole["seed"]  # the same student: the same hidden model
+    assert [(c["name"], c["points"]) for c in answers_only["checks"]] == [
+        (c["name"], c["points"]) for c in whole["checks"]
+    ]
+    assert "executed_notebook" in whole and "executed_notebook" not in answers_only
+    assert answers_only["notebook_run"].startswith("not run (--answers-only)")
+    assert answers_only["timings_s"]["notebook"] == 0 < whole["timings_s"]["notebook"]
+    assert answers_only["limits_s"]["total"] == answers_only["limits_s"]["answers"]
 
 
 def test_the_pristine_exercise_scores_zero_and_is_graded(reports):
@@ -173,7 +210,7 @@ def test_each_planted_mistake_loses_the_checks_of_its_property_and_only_them(rep
 
 
 def test_each_student_gets_a_seed_and_the_six_checks_share_one_limited_run(reports):
-    seeds = {name: r["seed"] for name, r in reports.items()}
+    seeds = {name: r["seed"] for name, r in reports.items() if name != ANSWERS_ONLY}
     assert seeds["solution"] == submission_seed(0, "ex07_capstone", "solution")
     assert len(set(seeds.values())) == len(seeds)  # a hidden model per student
     [group] = load("ex07_capstone").groups()

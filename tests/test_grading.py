@@ -686,6 +686,7 @@ def test_a_hostile_submission_is_contained(side_runs):
         (["{file}", "--timeout", "0"], "--timeout"),
         (["{file}", "--jobs", "0"], "--jobs"),
         (["{file}", "--timeout", "soon"], "--timeout"),
+        (["{file}", "--answers-only", "--timeout", "60"], "--answers-only skips"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, args, says):

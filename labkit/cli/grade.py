@@ -52,6 +52,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="wall-clock limit of every check's probe (default: each check's own, 30 to 150 s)",
     )
+    p.add_argument(
+        "--answers-only",
+        action="store_true",
+        help="skip each notebook's papermill run (the executed copy, which decides nothing): the same "
+        "grade from the answer cells alone, without the notebook's run time; for a re-grade",
+    )
     p.add_argument("--jobs", metavar="N", type=int, default=1, help="submissions graded at once (default 1)")
     p.add_argument(
         "--seed",
@@ -141,6 +147,10 @@ def _check(args: argparse.Namespace) -> Path:
         )
     target = Path(args.submission)
     _positive(args.timeout, "--timeout", "300")
+    if args.answers_only and args.timeout is not None:
+        raise UsageError(
+            "labkit grade: --timeout limits the notebook run, which --answers-only skips; drop one of them"
+        )
     _positive(args.check_timeout, "--check-timeout", "60")
     if args.jobs < 1:
         raise UsageError(f"labkit grade: --jobs must be 1 or more; got {args.jobs}")
@@ -209,6 +219,7 @@ def _options(args: argparse.Namespace, gradebook: Path | None):
         limits=limits,
         exercise=args.exercise,
         student_pattern=args.student_pattern or grader.DEFAULT_STUDENT_PATTERN,
+        run_notebook=not args.answers_only,
     )
 
 
@@ -251,9 +262,11 @@ def _grade_folder(target: Path, gradebook: Path, options, args, roster, deadline
     from labkit.grading import grader, report
 
     files = grader.submissions(target)
+    runs = (
+        f"--timeout {options.timeout_s:g} s for each notebook run" if options.run_notebook else "answers only"
+    )
     print(
-        f"grading {len(files)} submissions in {target} ({args.jobs} at a time, seed {options.class_seed}, "
-        f"--timeout {options.timeout_s:g} s for each notebook run)"
+        f"grading {len(files)} submissions in {target} ({args.jobs} at a time, seed {options.class_seed}, {runs})"
     )
     reports = grader.grade_folder(
         target, gradebook, None, args.jobs, lambda s: print(s, flush=True), options, roster, deadline

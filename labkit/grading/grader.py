@@ -38,6 +38,7 @@ ANSWERS_START_S = 60.0  # the answers process's own start-up (Python, the check 
 GROUP_MARGIN_S = 5.0  # per group of probes: the fork, the stack dump of a stopped one
 FOLDER_MAJORITY = 0.75  # one exercise id on more than this share of a folder makes it that exercise's folder
 EVIDENCE_SUFFIX = ".executed.ipynb"
+NOT_RUN = "not run (--answers-only): the grade comes from the answer cells, run on their own as always"
 REPORT_SUFFIX = ".report.json"
 FEEDBACK_SUFFIX = ".feedback.md"
 DEFAULT_STUDENT_PATTERN = r"^(?P<student>.+?)(?:\.ipynb)?$"  # the file name without .ipynb
@@ -49,7 +50,8 @@ class Options:
     """How to grade: limits (seconds, bytes), the class seed, and what the folder is for.
 
     `timeout_s` bounds the notebook run; `check_timeout_s` replaces every check's own limit when given;
-    `cell_timeout_s` bounds each answer or set-up cell in the answers process."""
+    `cell_timeout_s` bounds each answer or set-up cell in the answers process. `run_notebook`: False skips
+    step 3 (no papermill run, no executed copy): the grade is the same, since that run decides nothing."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_timeout_s: float | None = None
@@ -61,6 +63,7 @@ class Options:
     exercise: str | None = None  # the folder's exercise: a submission of another one is an error row
     student_pattern: str = DEFAULT_STUDENT_PATTERN
     student: str | None = None  # this submission's student, when the caller knows it
+    run_notebook: bool = True
 
 
 def default_report_path(submission: Path) -> Path:
@@ -92,11 +95,8 @@ def time_bound_s(exercise: Exercise, n_cells: int, options: Options) -> dict[str
     """Worst-case seconds of each child: the notebook run and the answers process (then the judges, trusted)."""
     groups = sum(group_limit_s(g, options.check_timeout_s) + GROUP_MARGIN_S for g in exercise.groups())
     answers = ANSWERS_START_S + n_cells * options.cell_timeout_s + groups
-    return {
-        "notebook": options.timeout_s,
-        "answers": round(answers, 1),
-        "total": round(options.timeout_s + answers, 1),
-    }
+    notebook = options.timeout_s if options.run_notebook else 0.0
+    return {"notebook": notebook, "answers": round(answers, 1), "total": round(notebook + answers, 1)}
 
 
 def _size_text(size: int | None) -> str:
@@ -299,7 +299,11 @@ def _run_notebook(tmp: Path, sub: _Submission) -> None:
 
 def _grade_in(tmp: Path, sub: _Submission, exercise: Exercise, cells: list[dict], seed: int):
     """Steps 3 and 4 in the folder `tmp`: (observations data, the answers process's outcome), or a final report."""
-    _run_notebook(tmp, sub)
+    if sub.options.run_notebook:
+        _run_notebook(tmp, sub)
+    else:
+        sub.extra["timings_s"] = {"notebook": 0.0}
+        sub.extra["notebook_run"] = NOT_RUN
     answers = tmp / "answers"
     answers.mkdir()
     job, out = answers / "job.json", answers / "observations.json"
@@ -318,6 +322,7 @@ def _grade_in(tmp: Path, sub: _Submission, exercise: Exercise, cells: list[dict]
     bound = sub.extra["limits_s"]["answers"]
     probed = sandbox.run(cmd, answers, bound, tmp / "answers.log", limits=sub.options.limits)
     sub.extra["timings_s"]["answers"] = round(probed.wall_s, 3)
+    sub.extra.setdefault("containment", probed.containment)
     data = _read_json(out)
     if isinstance(data.get("cells"), list):
         return data, probed
