@@ -1,8 +1,8 @@
 """The capstone (exercise 07): the solution scores full marks, the pristine exercise 0 (graded, not an error),
-and eight planted mistakes each lose the checks of the property they break, with feedback naming the mistake.
+and nine planted mistakes each lose the checks of the property they break, with feedback naming the mistake.
 
 Two `labkit grade DIR --gradebook` runs at once: the solution the whole way (its notebook run too), and a
-batch of ten `--answers-only` with --jobs 2 (the solution again, whose grade must be the same, the pristine
+batch of eleven `--answers-only` with --jobs 2 (the solution again, whose grade must be the same, the pristine
 exercise and the planted mistakes, which are edits of the solution's answer cells in temporary copies).
 """
 
@@ -70,6 +70,18 @@ PLANTED = {
             "    KEPT.append(recv)\n    by_rank = recv.view(unit.n, -1)",
         ),
     ],
+    "kept_as_double": [  # every receive buffer kept as a float64 copy: other bytes, the same weights
+        (
+            "answer-unit",
+            "def start_gather(unit: Unit) -> None:",
+            "KEPT = []\n\n\ndef start_gather(unit: Unit) -> None:",
+        ),
+        (
+            "answer-unit",
+            "    by_rank = recv.view(unit.n, -1)",
+            "    KEPT.append(recv.double())\n    by_rank = recv.view(unit.n, -1)",
+        ),
+    ],
     "tensor_swapped_free": [  # "freed" by a new empty tensor: autograd saved the gathered one, alive to backward
         (
             "answer-hooks",
@@ -92,6 +104,7 @@ LOSES = {
     "kept_after_forward": {FREED},
     "full_grads_kept": {TRAINING, SHARDED_GRADS, STATE},
     "kept_in_a_global": {FREED, SHARDED_GRADS},
+    "kept_as_double": {FREED, SHARDED_GRADS},
     "tensor_swapped_free": {FREED},
     "all_reduce": {BYTES},
 }
@@ -102,6 +115,7 @@ SAYS = {
     "kept_after_forward": "free them in after_forward",
     "full_grads_kept": "set each p.grad to None",
     "kept_in_a_global": "free them in after_forward",
+    "kept_as_double": "free them in after_forward",
     "tensor_swapped_free": "free a parameter's storage, not its tensor",
     "all_reduce": "also ran all_reduce: ZeRO-3 needs only all-gathers and reduce-scatters",
 }
@@ -254,7 +268,7 @@ def test_the_memory_probe_weighs_every_full_tensor_a_unit_keeps_and_what_autogra
     """`held_bytes`: a unit's parameters, `pending` and any attribute the student added (containers too),
     the storages its parameters had when gathered while they live on (autograd keeps one a free by
     `p.data = torch.empty(0)` left) and, `anywhere`, a tensor anywhere that holds rows other ranks keep (a
-    copy in the answers' globals); never its shards or their gradients, nor a copy of this rank's rows."""
+    copy in the answers' globals, cast or not); never its shards or their gradients, nor a copy of this rank's rows."""
     import torch
 
     from labkit.buildalong.scaffold import Unit
@@ -268,12 +282,17 @@ def test_the_memory_probe_weighs_every_full_tensor_a_unit_keeps_and_what_autogra
     assert held_bytes(unit) == 4 * (96 + 6)
     seen = gathered(unit)
     kept = {"full": linear.weight.detach().clone(), "mine": linear.weight.detach()[:2].clone()}  # a global
+    kept["cast"] = linear.weight.detach().double()  # a copy in another dtype: other bytes, the same rows
     out = linear(torch.ones(1, 16, requires_grad=True))  # autograd saves the weight for backward
     for p in params:
         p.untyped_storage().resize_(0)  # the storage trick: nothing left, saved views included
     assert held_bytes(unit, seen) == 0
-    assert held_bytes(unit, seen, anywhere=True) == 4 * 96  # the global copy; "mine" holds rank 0's rows only
+    assert (
+        held_bytes(unit, seen, anywhere=True) == (4 + 8) * 96
+    )  # the copies; "mine" holds rank 0's rows only
     del kept["full"]
+    assert held_bytes(unit, seen, anywhere=True) == 8 * 96
+    del kept["cast"]
     assert held_bytes(unit, seen, anywhere=True) == 0
     for p in params:
         p.untyped_storage().resize_(4 * p.numel())

@@ -27,12 +27,14 @@ from labkit.grading.kit import tally
 # A unit's fields that are not its to hold: the module, its shards (the state ZeRO-3 keeps), its neighbours.
 NOT_HELD = ("module", "shards", "next", "prev")
 MIN_ROWS_BYTES = 64  # a block of other ranks' rows shorter than this could match other bytes by chance
+COPY_DTYPES = ("float16", "bfloat16", "float32", "float64")  # a copy kept in another dtype holds these bytes
 
 
 class Gathered(NamedTuple):
     """What tells a unit's gathered weights, taken when a gather moment returns: its parameters' storages
-    then (weak references) and the bytes of each block of rows that another rank keeps, which only a gathered
-    copy of the weights holds (blocks shorter than MIN_ROWS_BYTES, or all zeros, are left out)."""
+    then (weak references) and the bytes of each block of rows that another rank keeps, in each floating
+    dtype (COPY_DTYPES), which only a gathered copy of the weights holds (blocks shorter than MIN_ROWS_BYTES,
+    or all zeros, are left out)."""
 
     storages: list[weakref.ref]
     others_rows: list[bytes]
@@ -46,17 +48,18 @@ def gathered(unit, rows: bool = True) -> Gathered:
     refs = [weakref.ref(st) for st in storages(unit.params) if st.nbytes()]
     if not rows:
         return Gathered(refs, [])
+    import torch
+
     blocks = []
     for p, s in zip(unit.params, unit.shards, strict=True):
         k = s.shape[0]
         for r in range(unit.n):
-            block = p.detach()[r * k : (r + 1) * k]
-            if (
-                r != unit.rank
-                and block.numel() * block.element_size() >= MIN_ROWS_BYTES
-                and bool(block.any())
-            ):
-                blocks.append(_raw(block))
+            if r == unit.rank:
+                continue
+            for dtype in COPY_DTYPES:
+                block = p.detach()[r * k : (r + 1) * k].to(getattr(torch, dtype))
+                if block.numel() * block.element_size() >= MIN_ROWS_BYTES and bool(block.any()):
+                    blocks.append(_raw(block))
     return Gathered(refs, blocks)
 
 
