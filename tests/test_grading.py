@@ -1222,7 +1222,39 @@ RUN_HERE = (
     "locked_edit_solution",
     "fake_print",
     "missing_answer",
+    "hidden_call02",
 )
+
+
+SOURCE_SHARD = """from labkit.zero import sharding
+
+
+def shard_rows(full, rank, world_size):  # labkit's own, called inside the answer: the source shows it
+    return sharding.shard_dim0(full, rank, world_size)
+"""
+
+
+def test_check_in_the_kernel_applies_the_source_rule_as_the_grade_does(capsys, monkeypatch, tmp_path):
+    """An answer that calls labkit's own shard inside its body: check() used to give it full marks, which
+    the grade (the source rule) never did."""
+    from labkit.grading import feedback
+
+    monkeypatch.chdir(tmp_path)
+    kernel: dict = {"__name__": "__main__"}
+    ran = []
+    for cell in edited(SOL02, "answer-shard", SOURCE_SHARD, append=False).cells:
+        if cell.cell_type == "code" and exercises.role(cell) != "check":
+            ran.append(cell.source)
+            exec(cell.source, kernel)
+    kernel["In"] = ["", *ran]
+    capsys.readouterr()
+    feedback.check("ex02_shard", kernel, seed=3)
+    out = capsys.readouterr().out
+    shard, gather = out.splitlines()[1:3]
+    uses = "uses labkit.zero.sharding, labkit.zero.sharding.shard_dim0, labkit's own"  # the import, the call
+    assert shard.startswith("  no  0/3") and uses in shard, out
+    assert gather.startswith("  ok  3/3"), out
+    assert sys.gettrace() is None  # the watch is gone once check() returns
 
 
 @pytest.mark.timeout(900)

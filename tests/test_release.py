@@ -264,7 +264,7 @@ def test_check_runs_the_public_checks_from_the_release(release: Path, tmp_path: 
     )
     (tmp_path / "borrowed.ipynb").write_text(json.dumps(borrowed))
     library = _check_from_release(release, tmp_path / "borrowed.ipynb")
-    assert "no points: `shard_rows` is labkit.zero.sharding.shard_dim0" in library, library
+    assert "no points: your answer `shard_rows` is labkit.zero.sharding.shard_dim0" in library, library
 
 
 def test_labkit_grade_in_the_release_refuses_in_one_sentence(release: Path):

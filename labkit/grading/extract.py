@@ -216,7 +216,7 @@ def main(argv: list[str]) -> int:
         "cells": ran,
         "observations": {},
         "origins": integrity.answer_origins(namespace, names, exercise.forbidden, exercise.allowed),
-        "imports": watch.found(),
+        "uses": watch.found(),
     }
     _write(out_path, data)
     # A collective the answers imported by name is still seen by the probes' patches.
@@ -228,7 +228,7 @@ def main(argv: list[str]) -> int:
         progress.write_text(f"check {group[0].name!r}")
         limit_s = group_limit_s(group, check_limit_s)
         data["observations"].update(run_group(group, namespace, seed, limit_s, out_path.parent, sources))
-        data["imports"] = watch.found()
+        data["uses"] = watch.found()
         _write(out_path, data)
     progress.write_text("done")
     return 0

@@ -11,11 +11,13 @@ public checks of `labkit.grading.public` instead, and says so.
 from __future__ import annotations
 
 import secrets
+import tempfile
+from pathlib import Path
 
 import nbformat
 
 from labkit.grading import integrity, kernel, public
-from labkit.grading.exercises import exercise_dir, exercise_title, index
+from labkit.grading.exercises import ANSWER, exercise_dir, exercise_title, index
 from labkit.grading.kit import Exercise, judge_all, load, probe_all
 from labkit.grading.report import format_points
 
@@ -25,19 +27,25 @@ def check(exercise_id: str, namespace: dict, seed: int | None = None) -> None:
 
     In a Jupyter kernel (`namespace` holds IPython's input history, `In`) it judges what the grade would run:
     the pristine set-up and the answer cells as last run, in a fresh namespace (`labkit.grading.kernel`), and
-    warns when an answer uses a name only another cell defines, or a locked cell ran edited. An answer that
-    is labkit's own implementation earns nothing here either (the integrity rule)."""
+    warns when an answer uses a name only another cell defines, or a locked cell ran edited. The integrity
+    rule applies as in the grade (`integrity.flags`): an answer cell that uses labkit's own implementation,
+    in its source or as it runs (`integrity.UseWatch`, while the cells and the probes run), earns nothing."""
     exercise, note = _checks(exercise_id)
     seed = secrets.randbelow(2**31) if seed is None else seed
     names = {n for c in exercise.checks for n in c.answers}
-    namespace, cell_errors, warnings = _as_graded(exercise_id, namespace, names)
-    origins = integrity.answer_origins(namespace, names, exercise.forbidden, exercise.allowed)
-    flags = {
-        c.name: f"no points: `{name}` is {origins[name]}, labkit's own implementation; write it yourself"
-        for c in exercise.checks
-        for name in c.answers
-        if name in origins
-    }
+    cells, warnings = _as_graded(exercise_id, namespace, names)
+    answer_ids = [c["id"] for c in cells if c["role"] == ANSWER]
+    with tempfile.TemporaryDirectory(prefix="labkit-check-") as tmp:
+        log = Path(tmp) / "uses.log"
+        watch = integrity.UseWatch(exercise.forbidden, exercise.allowed, answer_ids, log).install()
+        try:
+            namespace, cell_errors = kernel.run_cells(cells) if cells else (namespace, [])
+            origins = integrity.answer_origins(namespace, names, exercise.forbidden, exercise.allowed)
+            observations = probe_all(exercise, namespace, seed)
+        finally:
+            watch.remove()
+        uses = watch.found()
+    flags, _found = integrity.flags(exercise, cells, origins, uses)
     for c in exercise.checks:  # after a kernel restart nothing is defined until its cell runs again
         missing = [f"`{name}`" for name in c.answers if name not in namespace]
         if missing and c.name not in flags:
@@ -45,7 +53,7 @@ def check(exercise_id: str, namespace: dict, seed: int | None = None) -> None:
                 f"{', '.join(missing)} not defined in this kernel: run its answer cell again (after a kernel "
                 "restart, run the cells above it first)"
             )
-    entries = judge_all(exercise, probe_all(exercise, namespace, seed), seed, cell_errors, flags=flags)
+    entries = judge_all(exercise, observations, seed, cell_errors, flags=flags)
     score = sum(e["points"] for e in entries)
     print(f"{exercise.title}: {format_points(round(score, 2))}/{exercise.max_score} ({note})")
     for e in entries:
@@ -55,22 +63,19 @@ def check(exercise_id: str, namespace: dict, seed: int | None = None) -> None:
         print(f"  warning: {warning}")
 
 
-def _as_graded(
-    exercise_id: str, namespace: dict, answer_names: set[str]
-) -> tuple[dict, list[str], list[str]]:
-    """(the namespace to probe, the cells that raised there, warnings): the grade's cells rebuilt from the
-    kernel's history when there is one and the pristine exercise is at hand, else `namespace` as it is (labkit
-    installed without the course, or the grader's sandbox, which hides it)."""
+def _as_graded(exercise_id: str, namespace: dict, answer_names: set[str]) -> tuple[list[dict], list[str]]:
+    """(the cells the grade would run, rebuilt from the kernel's history, and warnings), or no cells when there
+    is no history or no pristine exercise at hand (labkit installed without the course, or the grader's
+    sandbox, which hides it): `namespace` is then probed as it is."""
     history = namespace.get("In")
     try:
         path = index(exercise_dir()).get(exercise_id)
     except ValueError:  # no course folder
         path = None
     if not isinstance(history, list) or path is None:
-        return namespace, [], []
+        return [], []
     rebuilt = kernel.rebuild(nbformat.read(path, as_version=4), history, set(namespace), answer_names)
-    fresh, errors = kernel.run_cells(rebuilt.cells)
-    return fresh, errors, rebuilt.warnings
+    return rebuilt.cells, rebuilt.warnings
 
 
 def _checks(exercise_id: str) -> tuple[Exercise, str]:

@@ -362,7 +362,7 @@ def _judge(
                 sub.extra["limits_hit"].append(
                     {"where": f"cell {cell.get('id')!r}", "limit": "time", "what": str(cell["error"])}
                 )
-    flags = _integrity_flags(sub, exercise, cells, data.get("origins"), data.get("imports"))
+    flags = _integrity_flags(sub, exercise, cells, data.get("origins"), data.get("uses"))
     observations = data.get("observations") if isinstance(data.get("observations"), dict) else {}
     if len(observations) < len(exercise.checks):
         progress = "the answers process stopped before it"
@@ -394,33 +394,10 @@ def _judge(
 
 
 def _integrity_flags(
-    sub: _Submission, exercise: Exercise, cells: list[dict], origins, imports
+    sub: _Submission, exercise: Exercise, cells: list[dict], origins, uses
 ) -> dict[str, str]:
-    """{check name: why it earns nothing} from the answer cells' source, the forbidden modules they imported
-    at run time (`imports`, from the answers process) and the answers' own origins."""
-    flagged = integrity.scan(cells, exercise.forbidden, exercise.allowed)
-    sources = {c["id"]: c["source"] for c in cells if c["role"] == "answer"}
-    for cell_id, paths in (imports if isinstance(imports, dict) else {}).items():
-        if cell_id in sources and isinstance(paths, list) and cell_id not in flagged:
-            uses = [p for p in paths if isinstance(p, str)]
-            flagged[cell_id] = {"uses": uses, "defines": sorted(integrity.defined(sources[cell_id]))}
-    flags, found = {}, []
-    for cell_id, hit in flagged.items():
-        found.append({"cell": cell_id, "uses": hit["uses"]})
-        for check in exercise.checks:
-            if set(check.answers) & set(hit["defines"]) and check.name not in flags:
-                flags[check.name] = integrity.sentence(hit["uses"], cell_id)
-    if isinstance(origins, dict):
-        for name, path in origins.items():
-            if not isinstance(path, str):
-                continue
-            found.append({"answer": str(name), "is": path})
-            for check in exercise.checks:
-                if name in check.answers and check.name not in flags:
-                    flags[check.name] = (
-                        f"no points: your answer `{name}` is {path}, labkit's own implementation of what this "
-                        "exercise asks you to write; write it yourself"
-                    )
+    """{check name: why it earns nothing} by the integrity rule (`integrity.flags`), noted in the report."""
+    flags, found = integrity.flags(exercise, cells, origins, uses)
     if found:
         sub.extra["integrity"] = found
         sub.extra["warnings"].append("answers use labkit's own implementation: " + ", ".join(sorted(flags)))

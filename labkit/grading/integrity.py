@@ -182,6 +182,39 @@ def answer_origins(
     return found
 
 
+def flags(exercise, cells: Sequence[dict], origins, uses) -> tuple[dict[str, str], list[dict]]:
+    """({check name: why it earns nothing}, what was found, for a report) from the rule's three halves: the
+    answer cells' source (`scan` of `cells`, {"id", "role", "source"} as graded), the forbidden code each
+    answer cell imported or called as it ran (`uses`, `UseWatch.found()`) and the answers that are labkit's
+    own functions (`origins`, `answer_origins`). A check loses its points when a cell that defines one of
+    its answers is flagged, or one of its answers is labkit's. `exercise`: a `labkit.grading.kit.Exercise`.
+    `origins` and `uses` may come from an untrusted process: anything not of their shape is ignored."""
+    flagged = scan(cells, exercise.forbidden, exercise.allowed)
+    sources = {c["id"]: c["source"] for c in cells if c["role"] == "answer"}
+    for cell_id, paths in (uses if isinstance(uses, dict) else {}).items():
+        if cell_id in sources and isinstance(paths, list) and cell_id not in flagged:
+            found_uses = [p for p in paths if isinstance(p, str)]
+            flagged[cell_id] = {"uses": found_uses, "defines": sorted(defined(sources[cell_id]))}
+    out: dict[str, str] = {}
+    found: list[dict] = []
+    for cell_id, hit in flagged.items():
+        found.append({"cell": cell_id, "uses": hit["uses"]})
+        for check in exercise.checks:
+            if set(check.answers) & set(hit["defines"]) and check.name not in out:
+                out[check.name] = sentence(hit["uses"], cell_id)
+    for name, path in (origins if isinstance(origins, dict) else {}).items():
+        if not isinstance(path, str):
+            continue
+        found.append({"answer": str(name), "is": path})
+        for check in exercise.checks:
+            if name in check.answers and check.name not in out:
+                out[check.name] = (
+                    f"no points: your answer `{name}` is {path}, labkit's own implementation of what this "
+                    "exercise asks you to write; write it yourself"
+                )
+    return out, found
+
+
 def sentence(uses_: Sequence[str], cell: str) -> str:
     """The feedback of a flagged check."""
     if all(_within(u, GRADER) for u in uses_):
@@ -258,6 +291,9 @@ class UseWatch:
         return None
 
     def install(self) -> UseWatch:
+        """Start watching (with no answer cells to watch, there is nothing to see: nothing is installed)."""
+        if not self.frames:
+            return self
         real_import, real_import_module = builtins.__import__, importlib.import_module
         real_settrace, real_thread_settrace = sys.settrace, threading.settrace
 
@@ -296,6 +332,8 @@ class UseWatch:
         return self
 
     def remove(self) -> None:
+        if not self._saved:
+            return
         real_import, real_import_module, real_settrace, real_thread_settrace, traces = self._saved
         builtins.__import__, importlib.import_module = real_import, real_import_module
         sys.settrace, threading.settrace = real_settrace, real_thread_settrace
