@@ -840,13 +840,18 @@ def gather_full(shard, d0, world_size):
 """
 
 
+def _ex02_watch(answer: str, log: Path) -> integrity.UseWatch:
+    """A use watch on ex02's answer cell `answer-shard` (not installed), whose source the source rule passes."""
+    exercise = load("ex02_shard")
+    cells = [{"id": "answer-shard", "role": "answer", "source": answer}]
+    assert integrity.scan(cells, exercise.forbidden, exercise.allowed) == {}  # the source rule misses it
+    return integrity.UseWatch(exercise.forbidden, exercise.allowed, ["answer-shard"], log)
+
+
 def test_the_use_watch_sees_modules_an_answer_imports_by_a_name_built_at_run_time(tmp_path):
     import torch
 
-    exercise = load("ex02_shard")
-    cells = [{"id": "answer-shard", "role": "answer", "source": RUNTIME_IMPORT}]
-    assert integrity.scan(cells, exercise.forbidden, exercise.allowed) == {}  # the source rule misses it
-    watch = integrity.UseWatch(exercise.forbidden, exercise.allowed, ["answer-shard"], tmp_path / "log")
+    watch = _ex02_watch(RUNTIME_IMPORT, tmp_path / "log")
     namespace: dict = {}
     watch.install()
     try:
@@ -891,10 +896,7 @@ def test_the_use_watch_sees_labkit_code_an_answer_calls_however_it_reached_it(tm
 
     from labkit.zero import sharding
 
-    exercise = load("ex02_shard")
-    cells = [{"id": "answer-shard", "role": "answer", "source": HIDDEN_CALLS}]
-    assert integrity.scan(cells, exercise.forbidden, exercise.allowed) == {}  # the source rule misses them
-    watch = integrity.UseWatch(exercise.forbidden, exercise.allowed, ["answer-shard"], tmp_path / "log")
+    watch = _ex02_watch(HIDDEN_CALLS, tmp_path / "log")
     namespace: dict = {}
     given = "from labkit.zero.sharding import dim0_rows as _rows\n\ndef dim0_rows(d0, n):\n    return _rows(d0, n)"
     exec(compile(given, "<cell setup>", "exec"), namespace)
