@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import nbformat
@@ -54,6 +55,50 @@ def labkit_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def read(path: Path):
     return nbformat.read(path, as_version=4)
+
+
+ANSWERS_ONLY = "solution, answers only"  # the key of the solution's grade from the answers-only batch
+
+
+def grade_beside(root: Path, solution: Path, others: dict, timeout_s: float) -> dict[str, dict]:
+    """{name: report}: `solution` graded the whole way (its notebook run too, under `timeout_s`) and, at the
+    same time, a batch graded `--answers-only --jobs 2`: the solution again (ANSWERS_ONLY) and `others`
+    ({name: notebook}). Two `labkit grade DIR --gradebook` runs, each folder's gradebook beside it."""
+    batches = {
+        root / "full": {"solution": read(solution)},
+        root / "answers": {"solution": read(solution), **others},
+    }
+    runs = []
+    for folder, notebooks in batches.items():
+        folder.mkdir()
+        for name, nb in notebooks.items():
+            nbformat.write(nb, folder / f"{name}.ipynb")
+        flags = ("--timeout", str(timeout_s)) if folder.name == "full" else ("--answers-only", "--jobs", "2")
+        cmd = [sys.executable, "-m", "labkit", "grade", str(folder), "--gradebook", f"{folder}.csv", *flags]
+        runs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for run in runs:
+        _out, err = run.communicate(timeout=900)
+        assert run.returncode == 0, err
+    answers_only = {
+        p.name.removesuffix(".report.json"): json.loads(p.read_text())
+        for p in (root / "answers-reports").glob("*.report.json")
+    }
+    answers_only[ANSWERS_ONLY] = answers_only.pop("solution")
+    whole = json.loads((root / "full-reports" / "solution.report.json").read_text())
+    return {**answers_only, "solution": whole}
+
+
+def assert_answers_only_grades_as_the_whole_run(reports: dict[str, dict]) -> None:
+    """The solution's two grades (grade_beside): the same seed and points per check; only one notebook run."""
+    whole, answers_only = reports["solution"], reports[ANSWERS_ONLY]
+    assert answers_only["seed"] == whole["seed"]  # the same student: the same hidden cases
+    assert [(c["name"], c["points"]) for c in answers_only["checks"]] == [
+        (c["name"], c["points"]) for c in whole["checks"]
+    ]
+    assert "executed_notebook" in whole and "executed_notebook" not in answers_only
+    assert answers_only["notebook_run"].startswith("not run (--answers-only)")
+    assert answers_only["timings_s"]["notebook"] == 0 < whole["timings_s"]["notebook"]
+    assert answers_only["limits_s"]["total"] == answers_only["limits_s"]["answers"]
 
 
 def edited(path: Path, cell_id: str, source: str, append: bool = True):
@@ -825,6 +870,9 @@ def test_an_answer_that_is_labkits_own_function_is_found_in_the_namespace():
         exercise.allowed,
     )
     assert found == {"pack_grads": "labkit.zero.sharding.shard_dim0"}  # dim0_rows is handed out on purpose
+    rebuilt = types.FunctionType(shard_dim0.__code__, {"__name__": "__main__", "dim0_rows": dim0_rows})
+    found = integrity.answer_origins({"pack_grads": rebuilt}, ["pack_grads"], exercise.forbidden)
+    assert found == {"pack_grads": "labkit.zero.sharding.shard_dim0"}  # labkit's code, the answer's globals
 
 
 RUNTIME_IMPORT = """import importlib
@@ -869,7 +917,9 @@ def test_the_use_watch_sees_modules_an_answer_imports_by_a_name_built_at_run_tim
     }
 
 
-HIDDEN_CALLS = """import sys
+HIDDEN_CALLS = """import math  # noqa: F401 (labkit's code copied below reads it from these globals)
+import sys
+import types
 
 
 def shard_rows(full, rank, world_size):  # found in sys.modules by a name built at run time
@@ -886,6 +936,11 @@ def pack(shards):  # through code the exercise hands out: the scaffold's call, n
 
 def unwatched():
     sys.settrace(None)
+
+
+def copied(full, rank, world_size):  # labkit's code object, run under this cell's own globals
+    code = getattr(sys.modules["labkit." + "zero.sharding"], "dim0_" + "rows").__code__
+    return types.FunctionType(code, globals())(full.shape[0], world_size)
 """
 
 
@@ -915,17 +970,19 @@ def test_the_use_watch_sees_labkit_code_an_answer_calls_however_it_reached_it(tm
         namespace["unwatched"]()
         assert sys.gettrace() is not before  # the trace stays on
         namespace["shard_rows"](torch.ones(2, 2), 0, 2)
+        assert namespace["copied"](torch.ones(5, 2), 0, 2) == (3, 6)
     finally:
         watch.remove()
     assert sys.gettrace() is before
     assert watch.found() == {
         "answer-shard": [
             "labkit.grading.integrity.UseWatch",
+            "labkit.zero.sharding.dim0_rows",
             "labkit.zero.sharding.shard_dim0",
             "labkit.zero.sharding.unshard_dim0",
         ]
     }
-    assert len((tmp_path / "log").read_text().splitlines()) == 3  # each use once, however often it ran
+    assert len((tmp_path / "log").read_text().splitlines()) == 4  # each use once, however often it ran
 
 
 def _enter(name: str, *shapes) -> dict:

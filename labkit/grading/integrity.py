@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import importlib
 import importlib.util
 import os
@@ -165,6 +166,20 @@ def scan(cells: Iterable[dict], forbidden: Sequence[str], allowed: Sequence[str]
     return flagged
 
 
+_LABKIT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
+@functools.cache
+def module_of_file(filename: str) -> str | None:
+    """`labkit.zero.sharding` for labkit's own `.../labkit/zero/sharding.py` (a code object's `co_filename`),
+    else None: where a function's code comes from, whatever globals it was given to run with."""
+    path = "" if filename.startswith("<") else os.path.realpath(filename)
+    if not path.startswith(_LABKIT + os.sep) or not path.endswith(".py"):
+        return None
+    parts = os.path.relpath(path[: -len(".py")], os.path.dirname(_LABKIT)).split(os.sep)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def answer_origins(
     namespace: dict, names: Iterable[str], forbidden: Sequence[str], allowed: Sequence[str] = ()
 ) -> dict[str, str]:
@@ -173,7 +188,9 @@ def answer_origins(
     for name in names:
         obj = namespace.get(name)
         obj = getattr(obj, "func", obj)  # a functools.partial of it
-        module = getattr(obj, "__module__", None)
+        code = getattr(obj, "__code__", None)  # labkit's code under other globals is still labkit's
+        module = module_of_file(code.co_filename) if hasattr(code, "co_filename") else None
+        module = module or getattr(obj, "__module__", None)
         if not isinstance(module, str):
             continue
         path = f"{module}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
@@ -236,7 +253,8 @@ class UseWatch:
     Imports: it wraps `builtins.__import__` and `importlib.import_module` and notes a forbidden module when
     the importing frame is an answer cell's code. Calls: a trace function (`sys.settrace`, and
     `threading.settrace` for threads started later) sees each Python function begin, and notes
-    `module.qualname` when the function's module is forbidden and its caller is an answer cell's code. An
+    `module.qualname` when the function's module is forbidden (its code's file, where that is labkit's, so
+    that labkit's code run under other globals counts) and its caller is an answer cell's code. An
     answer cell's code is code compiled as `<cell ID>`, or code that such code compiled and ran itself
     (`eval`, `exec`). A call through other code (the scaffold the exercise hands out, say) is not the answer
     cell's. An answer cell that turns the trace off (`sys.settrace`, `threading.settrace`) is noted as a use
@@ -281,7 +299,8 @@ class UseWatch:
 
     def _on_call(self, frame, event, arg):
         """The trace function: runs as each Python function begins; returns None, so no line is traced."""
-        module = frame.f_globals.get("__name__")  # a global trace function only ever sees "call"
+        # a global trace function only ever sees "call"; labkit's code under other globals is still labkit's
+        module = module_of_file(frame.f_code.co_filename) or frame.f_globals.get("__name__")
         if isinstance(module, str) and module.startswith("labkit"):
             if frame.f_code in self._wrappers:  # the watch's own wrappers note what they see themselves
                 return None
