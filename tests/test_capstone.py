@@ -8,16 +8,18 @@ exercise and the planted mistakes, which are edits of the solution's answer cell
 
 from __future__ import annotations
 
-import csv
-import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
-from test_grading import answer_checks, lock_entry, read
+from test_grading import (
+    ANSWERS_ONLY,
+    answer_checks,
+    assert_answers_only_grades_as_the_whole_run,
+    grade_beside,
+    lock_entry,
+    read,
+)
 
 from labkit.grading.checks import ex07_capstone as capstone
 from labkit.grading.kit import judge_all, load, submission_seed
@@ -131,51 +133,14 @@ def planted(mistake: str):
     return nb
 
 
-def _grade_folder(folder: Path, *flags: str) -> subprocess.Popen:
-    gradebook = folder.parent / f"{folder.name}.csv"
-    cmd = [sys.executable, "-m", "labkit", "grade", str(folder), "--gradebook", str(gradebook), *flags]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _reports(folder: Path) -> dict[str, dict]:
-    with open(folder.parent / f"{folder.name}.csv", newline="") as f:
-        files = [row["file"] for row in csv.DictReader(f)]
-    out = folder.parent / f"{folder.name}-reports"
-    return {
-        name.removesuffix(".ipynb"): json.loads((out / name.replace(".ipynb", ".report.json")).read_text())
-        for name in files
-    }
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict[str, dict]:
-    """The solution graded the whole way (its notebook run too), and beside it, at the same time, a batch
-    graded `--answers-only`: the solution again, the pristine exercise and every planted mistake."""
-    root = tmp_path_factory.mktemp("capstone")
-    full, batch = root / "full", root / "submissions"
-    for folder in (full, batch):
-        folder.mkdir()
-        nbformat.write(read(SOLUTION), folder / "solution.ipynb")
-    nbformat.write(read(EXERCISE), batch / "pristine.ipynb")
-    for mistake in PLANTED:
-        nbformat.write(planted(mistake), batch / f"{mistake}.ipynb")
+    """The solution graded the whole way and, at the same time, the answers-only batch (`grade_beside`)."""
+    others = {"pristine": read(EXERCISE), **{mistake: planted(mistake) for mistake in PLANTED}}
     start = time.monotonic()
-    runs = [
-        _grade_folder(full, "--timeout", str(BATCH_TIMEOUT_S)),
-        _grade_folder(batch, "--answers-only", "--jobs", "2"),
-    ]
-    for run in runs:
-        _out, err = run.communicate(timeout=600)
-        assert run.returncode == 0, err
-    print(
-        f"\ncapstone: the solution, and a batch of {len(PLANTED) + 2} answers only: {time.monotonic() - start:.1f} s"
-    )
-    graded = _reports(batch)
-    graded[ANSWERS_ONLY] = graded.pop("solution")
-    return {**graded, **_reports(full)}
-
-
-ANSWERS_ONLY = "solution, answers only"
+    graded = grade_beside(tmp_path_factory.mktemp("capstone"), SOLUTION, others, BATCH_TIMEOUT_S)
+    print(f"\ncapstone: the solution, and {len(others) + 1} answers only: {time.monotonic() - start:.1f} s")
+    return graded
 
 
 @pytest.mark.timeout(600)
@@ -190,15 +155,7 @@ def test_the_solution_scores_full_marks_well_under_a_minute(reports):
 
 
 def test_answers_only_gives_the_solution_the_grade_of_the_whole_run_without_the_notebook(reports):
-    whole, answers_only = reports["solution"], reports[ANSWERS_ONLY]
-    assert answers_only["seed"] == whole["seed"]  # the same student: the same hidden model
-    assert [(c["name"], c["points"]) for c in answers_only["checks"]] == [
-        (c["name"], c["points"]) for c in whole["checks"]
-    ]
-    assert "executed_notebook" in whole and "executed_notebook" not in answers_only
-    assert answers_only["notebook_run"].startswith("not run (--answers-only)")
-    assert answers_only["timings_s"]["notebook"] == 0 < whole["timings_s"]["notebook"]
-    assert answers_only["limits_s"]["total"] == answers_only["limits_s"]["answers"]
+    assert_answers_only_grades_as_the_whole_run(reports)
 
 
 def test_the_pristine_exercise_scores_zero_and_is_graded(reports):

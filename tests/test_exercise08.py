@@ -1,18 +1,23 @@
 """Exercise 08: the solution scores full marks, the pristine exercise 0 (graded, not an error), and two planted
 mistakes in the accumulation step each lose the check of the property they break and only it.
 
-One `labkit grade DIR --gradebook` batch grades the four submissions; the mistakes are edits of the solution's
-answer cell in temporary copies.
+The solution is graded the whole way and, at the same time, a batch `--answers-only` holds the solution again
+(whose grade must be the same), the pristine exercise and the mistakes, edits of the solution's answer cell
+in temporary copies (`test_grading.grade_beside`).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import nbformat
 import pytest
-from test_grading import answer_checks, labkit_cli, lock_entry, read
+from test_grading import (
+    answer_checks,
+    assert_answers_only_grades_as_the_whole_run,
+    grade_beside,
+    lock_entry,
+    read,
+)
 
 from labkit.grading.kit import load
 
@@ -45,28 +50,12 @@ def planted(mistake: str):
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict[str, dict]:
-    root = tmp_path_factory.mktemp("exercise08")
-    folder, report_dir = root / "submissions", root / "grades-reports"
-    folder.mkdir()
-    nbformat.write(read(SOLUTION), folder / "solution.ipynb")
-    nbformat.write(read(EXERCISE), folder / "pristine.ipynb")
-    for mistake in PLANTED:
-        nbformat.write(planted(mistake), folder / f"{mistake}.ipynb")
-    done = labkit_cli(
-        "grade",
-        str(folder),
-        "--gradebook",
-        str(root / "grades.csv"),
-        "--timeout",
-        str(BATCH_TIMEOUT_S),
-        "--jobs",
-        "2",
-    )
-    assert done.returncode == 0, done.stderr
-    return {
-        p.name.removesuffix(".report.json"): json.loads(p.read_text())
-        for p in report_dir.glob("*.report.json")
-    }
+    others = {"pristine": read(EXERCISE), **{mistake: planted(mistake) for mistake in PLANTED}}
+    return grade_beside(tmp_path_factory.mktemp("exercise08"), SOLUTION, others, BATCH_TIMEOUT_S)
+
+
+def test_answers_only_gives_the_solution_the_grade_of_the_whole_run(reports):
+    assert_answers_only_grades_as_the_whole_run(reports)
 
 
 @pytest.mark.timeout(900)
