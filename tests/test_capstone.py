@@ -244,9 +244,8 @@ def test_the_memory_probe_weighs_every_full_tensor_a_unit_keeps_and_what_autogra
     for p in params:
         p.untyped_storage().resize_(0)  # the storage trick: nothing left, saved views included
     assert held_bytes(unit, seen) == 0
-    assert (
-        held_bytes(unit, seen, anywhere=True) == (4 + 8) * 96
-    )  # the copies; "mine" holds rank 0's rows only
+    # the two copies; "mine" holds rank 0's rows only
+    assert held_bytes(unit, seen, anywhere=True) == (4 + 8) * 96
     del kept["full"]
     assert held_bytes(unit, seen, anywhere=True) == 8 * 96
     del kept["cast"]

@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     namespace: dict = {"__name__": "__main__"}
     answers = [c["id"] for c in job["cells"] if c["role"] == "answer"]
     watch = integrity.UseWatch(
-        exercise.forbidden, exercise.allowed, answers, out_path.with_name("imports.log")
+        exercise.forbidden, exercise.allowed, answers, out_path.with_name("uses.log")
     ).install()
     ran = []
     for c in job["cells"]:

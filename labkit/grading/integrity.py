@@ -360,7 +360,7 @@ class UseWatch:
         real_thread_settrace(traces[1])
 
     def found(self) -> dict[str, list[str]]:
-        """{answer cell id: [forbidden modules it imported]} from the log."""
+        """{answer cell id: [the forbidden modules it imported and `module.qualname`s it called]} from the log."""
         hits: dict[str, set[str]] = {}
         try:
             with open(self.log) as f:

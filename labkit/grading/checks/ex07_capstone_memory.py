@@ -56,8 +56,9 @@ def gathered(unit, rows: bool = True) -> Gathered:
         for r in range(unit.n):
             if r == unit.rank:
                 continue
+            rows = p.detach()[r * k : (r + 1) * k]
             for dtype in COPY_DTYPES:
-                block = p.detach()[r * k : (r + 1) * k].to(getattr(torch, dtype))
+                block = rows.to(getattr(torch, dtype))
                 if block.numel() * block.element_size() >= MIN_ROWS_BYTES and bool(block.any()):
                     blocks.append(_raw(block))
     return Gathered(refs, blocks)
