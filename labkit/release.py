@@ -50,6 +50,10 @@ The exercises are in `exercises/`. Fill the cells marked `# YOUR ANSWER HERE` an
 exercise states, and its example). Your grade comes from the instructor's grader, which runs your answer
 cells again on cases you have not seen.
 
+labkit's own ZeRO-3 is in `labkit/zero/`: the notebooks run it, and show its source once your build passes.
+Each exercise's first cell names the labkit code its answers may not use; the grader watches what your
+answer cells import and call, and a check whose answers use that code earns no points.
+
 On your own machine: `make lab` (Python 3.11, a few GB for torch and DeepSpeed).
 """
 

@@ -859,6 +859,19 @@ def test_no_solution_breaks_the_integrity_rule():
         assert all(c.answers for c in exercise.checks), path  # every check names the answers it calls
 
 
+def test_every_exercise_tells_the_student_the_integrity_rule_it_is_graded_by():
+    """The first cell states the rule the grade applies, rendered from the same table (integrity.RULES)."""
+    stated = {}
+    for path in sorted((ROOT / "exercises").glob("*.ipynb")):
+        nb = read(path)
+        stated[exercises.exercise_id(nb)] = nb.cells[0].source
+    assert set(stated) == set(integrity.RULES)
+    for exercise_id, intro in stated.items():
+        assert integrity.stated_rule(exercise_id) in intro, exercise_id
+        assert all(f"`{p}`" in intro for p in load(exercise_id).forbidden), exercise_id
+    assert "`labkit.zero.sharding.dim0_rows`: that one is yours" in stated["ex03_reduce_scatter"]
+
+
 def test_an_answer_that_is_labkits_own_function_is_found_in_the_namespace():
     from labkit.zero.sharding import dim0_rows, shard_dim0
 

@@ -91,6 +91,9 @@ def test_release_holds_the_course_and_no_solutions_or_grader_checks(release: Pat
     assert [p.name for p in (release / "labkit" / "grading" / "checks").glob("*.py")] == ["__init__.py"]
     assert (release / "labkit" / "grading" / "public.py").is_file()
     assert not (release / "docs" / "instructor.md").exists() and (release / "docs" / "cheatsheets").is_dir()
+    # What it does hold, labkit's own ZeRO-3, the README says to the students (docs/instructor.md says why).
+    assert (release / "labkit" / "zero" / "hooks.py").is_file()
+    assert "labkit's own ZeRO-3 is in `labkit/zero/`" in (release / "README.md").read_text()
 
 
 COURSE_PATH = re.compile(r"(?<![\w/])(?:\.\./)?((?:tests|benchmarks|solutions|docs)/[\w./-]*\w)")

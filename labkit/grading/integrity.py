@@ -46,6 +46,22 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+def stated_rule(exercise_id: str) -> str:
+    """The rule as the exercise's first cell tells the student, rendered from `RULES` (a test holds every
+    exercise to it, so the sentence and the grade cannot drift apart)."""
+    forbidden, allowed = RULES[exercise_id]
+    listed = ", ".join(f"`{p}`" for p in forbidden)
+    text = (
+        f"Your answer cells may not use the labkit code that does what they ask ({listed}), nor the grader's "
+        f"own (`{GRADER}`): the grader watches what they import and call, and a check whose answers use it "
+        "earns no points."
+    )
+    if allowed:
+        handed = ", ".join(f"`{a}`" for a in allowed)
+        text += f" The set-up cell hands you {handed}: that one is yours to use."
+    return text
+
+
 def _rule(forbidden: Sequence[str]) -> tuple[str, ...]:
     return (*forbidden, GRADER)
 
