@@ -998,6 +998,45 @@ def test_the_use_watch_sees_labkit_code_an_answer_calls_however_it_reached_it(tm
     assert len((tmp_path / "log").read_text().splitlines()) == 4  # each use once, however often it ran
 
 
+HANDED_OFF = """import concurrent.futures
+import sys
+import threading
+
+
+def shard_rows(full, rank, world_size):  # labkit's function as the target of a thread the answer starts
+    fn = getattr(sys.modules["labkit." + "zero.sharding"], "shard_" + "dim0")
+    worker = threading.Thread(target=fn, args=(full, rank, world_size))
+    worker.start()
+    worker.join()
+    return full[:0]
+
+
+def gather_full(shard, d0, world_size):  # ... and by an executor's worker thread
+    fn = getattr(sys.modules["labkit." + "zero.sharding"], "unshard_" + "dim0")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, [shard], d0).result()
+"""
+
+
+def test_the_use_watch_sees_labkit_code_an_answer_hands_to_a_thread(tmp_path):
+    import torch
+
+    import labkit.zero.sharding  # noqa: F401 (in sys.modules, where the answer looks it up)
+
+    watch = _ex02_watch(HANDED_OFF, tmp_path / "log")
+    namespace: dict = {}
+    watch.install()
+    try:
+        exec(compile(HANDED_OFF, "<cell answer-shard>", "exec"), namespace)
+        namespace["shard_rows"](torch.ones(3, 2), 1, 2)
+        assert namespace["gather_full"](torch.ones(2, 2), 2, 1).shape == (2, 2)
+    finally:
+        watch.remove()
+    assert watch.found() == {
+        "answer-shard": ["labkit.zero.sharding.shard_dim0", "labkit.zero.sharding.unshard_dim0"]
+    }
+
+
 def _enter(name: str, *shapes) -> dict:
     return {"e": "enter", "name": name, "shapes": [list(s) for s in shapes]}
 

@@ -19,6 +19,7 @@ import builtins
 import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import threading
@@ -196,22 +197,33 @@ def module_of_file(filename: str) -> str | None:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def origin(obj) -> tuple[str, str] | None:
+    """(module, 'module.qualname') of a function, method, class or module, or of what a functools.partial
+    wraps; None for anything else (an instance, a number). A function's module is its code's file where that
+    is labkit's, so labkit's code run under other globals is still labkit's."""
+    obj = getattr(obj, "func", obj)  # a functools.partial of it
+    obj = getattr(obj, "__func__", obj)  # a bound method
+    if inspect.ismodule(obj):
+        return obj.__name__, obj.__name__
+    if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+        return None
+    code = getattr(obj, "__code__", None)
+    module = module_of_file(code.co_filename) if hasattr(code, "co_filename") else None
+    module = module or getattr(obj, "__module__", None)
+    if not isinstance(module, str):
+        return None
+    return module, f"{module}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
+
+
 def answer_origins(
     namespace: dict, names: Iterable[str], forbidden: Sequence[str], allowed: Sequence[str] = ()
 ) -> dict[str, str]:
     """{answer name: 'module.qualname'} for answers that are themselves labkit's forbidden functions or classes."""
     found = {}
     for name in names:
-        obj = namespace.get(name)
-        obj = getattr(obj, "func", obj)  # a functools.partial of it
-        code = getattr(obj, "__code__", None)  # labkit's code under other globals is still labkit's
-        module = module_of_file(code.co_filename) if hasattr(code, "co_filename") else None
-        module = module or getattr(obj, "__module__", None)
-        if not isinstance(module, str):
-            continue
-        path = f"{module}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
-        if _is_forbidden(module, forbidden, ()) and path not in allowed:
-            found[name] = path
+        where = origin(namespace.get(name))
+        if where is not None and _is_forbidden(where[0], forbidden, ()) and where[1] not in allowed:
+            found[name] = where[1]
     return found
 
 
@@ -270,7 +282,9 @@ class UseWatch:
     the importing frame is an answer cell's code. Calls: a trace function (`sys.settrace`, and
     `threading.settrace` for threads started later) sees each Python function begin, and notes
     `module.qualname` when the function's module is forbidden (its code's file, where that is labkit's, so
-    that labkit's code run under other globals counts) and its caller is an answer cell's code. An
+    that labkit's code run under other globals counts) and its caller is an answer cell's code; and, as a
+    function an answer cell calls begins, the forbidden code among its arguments (`threading.Thread(target=
+    ...)`, `executor.submit(...)`: the answer used it, whoever calls it later). An
     answer cell's code is code compiled as `<cell ID>`, or code that such code compiled and ran itself
     (`eval`, `exec`). A call through other code (the scaffold the exercise hands out, say) is not the answer
     cell's. An answer cell that turns the trace off (`sys.settrace`, `threading.settrace`) is noted as a use
@@ -323,7 +337,26 @@ class UseWatch:
             path = f"{module}.{frame.f_code.co_qualname}"
             if _is_forbidden(path, self.forbidden, self.allowed):
                 self._note(self._answer_cell(frame.f_back), [path])
+        caller = frame.f_back
+        if caller is not None and caller.f_code.co_filename.startswith("<"):
+            self._note_handed(frame, self._answer_cell(caller))
         return None
+
+    def _note_handed(self, frame, cell: str | None) -> None:
+        """Forbidden functions, classes or modules an answer cell hands to the function `frame` begins (a
+        thread's target, an executor's task, a callback): whoever calls them later, the answer used them."""
+        if cell is None:
+            return
+        code, values = frame.f_code, frame.f_locals  # at "call", f_locals also holds the closure's cells
+        named = code.co_argcount + code.co_kwonlyargcount
+        handed = [values.get(name) for name in code.co_varnames[:named]]
+        rest = iter(code.co_varnames[named:])
+        if code.co_flags & inspect.CO_VARARGS:
+            handed += list(values.get(next(rest), ()))
+        if code.co_flags & inspect.CO_VARKEYWORDS:
+            handed += list(values.get(next(rest), {}).values())
+        found = (origin(value) for value in handed)
+        self._note(cell, [where[1] for where in found if where is not None])
 
     def install(self) -> UseWatch:
         """Start watching (with no answer cells to watch, there is nothing to see: nothing is installed)."""
