@@ -293,7 +293,9 @@ def test_every_check_passes_the_filled_pieces_on_one_rank():
     """A 1-GPU hub runs the build-along at world size 1: one shard per parameter, nothing padded."""
     results = checks.run_checks([(step, PIECES) for step in checks.STEPS], 1, MODEL, quiet=True)
     assert [r.ok for r in results] == [True] * len(checks.STEPS), [str(r) for r in results]
-    assert "cut into 1 shard of ceil(d0/1) rows" in str(results[0]) and "0 of them padding" in str(results[0])
+    assert "cut into 1 shard of ceil(d0/1) rows" in str(
+        results[0]
+    ) and "and 0 of padding over all ranks" in str(results[0])
 
 
 def test_the_former_package_name_still_hands_out_the_scaffold_for_old_copies_of_exercise_07():

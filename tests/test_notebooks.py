@@ -283,7 +283,7 @@ def test_07_table_and_scale_numbers_are_budgets(executed):
         for c in executed("07_head_to_head.ipynb").cells
         for o in c.get("outputs", [])
     )
-    assert "<details" in html and "shard_placement_fn can only choose a Shard" in html  # issue 29, item 3
+    assert "<details" in html and "shard_placement_fn returns a Shard" in html  # issue 29, item 3
     assert "No prediction entered" in text and "The usual mistake" not in text
 
 

@@ -184,8 +184,9 @@ def _shard_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
     per_rank = sum(b // 4 for b in m.padded_bytes.values()) // m.n
     return (
         f"each of the {len(m.shapes)} parameters cut into {m.n} shard{'s' * (m.n > 1)} of ceil(d0/{m.n}) rows, "
-        f"each the full tensor's rows, zero-padded: {per_rank:,} elements per rank, "
-        f"{figures['padding_elements']:,} of them padding ({example}: {m.n} x {k} rows for {d0})"
+        f"each the full tensor's rows, zero-padded: {per_rank:,} elements per rank, and "
+        f"{figures['padding_elements']:,} of padding over all ranks, at the end of the last ranks' shards "
+        f"({example}: {m.n} x {k} rows for {d0})"
     )
 
 

@@ -10,8 +10,9 @@ sharded run and a single-process run agree to float rounding:
 With `offload=True` the optimizer state (the float32 master copy, m and v) lives in separate host buffers
 (pinned when the shard they serve is on a GPU: `pins_host_buffers`): each step copies the gradient shard
 in, updates on the host, and copies the new weights back. On a CPU-only machine "host" and "device" are the
-same memory, so the offload path runs and costs its copies, but frees nothing; on a GPU it moves
-12 B/param of state off the device.
+same memory, so the offload path runs and costs its copies, but frees nothing; on a GPU it takes m and v
+off the device (8 B/param): the float32 shards stay there, the weights the units gather from, and the host
+keeps a master copy and a gradient buffer of its own.
 """
 
 from __future__ import annotations
