@@ -137,6 +137,15 @@ def test_every_engine_through_compare_matches_single_its_bytes_and_its_own_state
         (["--model", "huge"], "--model"),
         (["--world-size", "4", "--hsdp", "3"], "--hsdp"),  # a shard group that does not divide the world
         (["--world-size", "4", "--hpz", "0"], "--hpz"),
+        (["--engines", "fsdp2", "--world-size", "4", "--hsdp", "4"], "--hsdp"),  # one group: plain FSDP
+        (["--engines", "deepspeed", "--world-size", "4", "--hpz", "1"], "--hpz"),  # hpZ off
+        # what one process (the oracle alone) would ignore
+        (["--engines", "single", "--offload", "cpu"], "--offload"),
+        (["--engines", "single", "--link-gbytes", "1"], "--link-gbytes"),
+        (["--engines", "single", "--world-size", "4"], "--world-size"),
+        # where the result could not be written, said before any rank starts
+        (["--engines", "single", "--json", "/nonexistent-labkit/out.json"], "--json"),
+        (["--engines", "single", "--json", "/tmp"], "--json"),
     ],
 )
 def test_bad_arguments_give_one_line_naming_the_flag_and_exit_2(args, flag, capsys, monkeypatch):
@@ -288,3 +297,15 @@ def test_compare_machine_adds_the_calibrated_prediction_beside_the_measured_step
     assert "ddp: predicted" in printed and "predicted/measured" in printed
     assert main(["compare", "--engines", "single", "--machine", str(tmp_path / "none.json")]) == 2
     assert "labkit compare: --machine: cannot read the machine profile" in capsys.readouterr().err
+    # a profile that cannot price the run (no fit at 4 ranks) is refused before any engine trains
+    assert main(["compare", "--engines", "single,ddp", "--world-size", "4", "--machine", str(machine)]) == 2
+    err = capsys.readouterr().err
+    assert "labkit compare: --machine: the machine profile has no" in err and "world_size=4" in err
+    assert "done in" not in err
+    # a profile of the wrong shape, or not text, in one sentence
+    machine.write_text(json.dumps({**profile, "core_share": [0.5]}))
+    assert main(["compare", "--engines", "single", "--machine", str(machine)]) == 2
+    assert "core_share maps world sizes to shares" in capsys.readouterr().err
+    machine.write_bytes(b"\xff\xfe\x00binary")
+    assert main(["compare", "--engines", "single", "--machine", str(machine)]) == 2
+    assert "is not JSON" in capsys.readouterr().err

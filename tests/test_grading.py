@@ -732,6 +732,16 @@ def test_a_hostile_submission_is_contained(side_runs):
         (["{file}", "--jobs", "0"], "--jobs"),
         (["{file}", "--timeout", "soon"], "--timeout"),
         (["{file}", "--answers-only", "--timeout", "60"], "--answers-only skips"),
+        # flags one file would ignore
+        (["{file}", "--jobs", "4"], "--jobs grades a folder's"),
+        (["{file}", "--deadline", "2026-12-10"], "--deadline fills the gradebook's late column"),
+        (["{file}", "--roster", "{file}"], "--roster adds a folder's missing students"),
+        (["{file}", "--canvas-assignment", "HW2"], "--canvas-assignment names the column"),
+        # where the grade could not be written, said before anything runs
+        (["{file}", "--out", "{dir}"], "--out {dir} is a folder"),
+        (["{file}", "--gradebook", "{dir}"], "--gradebook {dir} is a folder"),
+        (["{file}", "--out", "{file}/r.json"], "is a file, not a folder"),
+        (["{dir}", "--gradebook", "g.csv", "--roster", "{dir}"], "--roster {dir} is a folder"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, args, says):
@@ -739,6 +749,7 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, args, says):
     args = [a.format(dir=tmp_path, file=tmp_path / "sub.ipynb") for a in args]
     assert main(["grade", *args]) == 2
     err = capsys.readouterr().err
+    says = says.format(dir=tmp_path)
     assert len(err.strip().splitlines()) == 1 and says in err and "Traceback" not in err
 
 

@@ -18,7 +18,19 @@ def check_machine_profile(profile: dict) -> dict:
         raise ValueError(
             f"a machine profile needs the keys {', '.join(MACHINE_KEYS)}; write one with labkit calibrate."
         )
-    values = [profile["compute_flops_per_s"], *profile["core_share"].values()]
+    shares, fits = profile["core_share"], profile["collectives"]
+    shaped = isinstance(shares, dict) and isinstance(fits, dict)
+    shaped = shaped and all(
+        isinstance(by_n, dict)
+        and all(isinstance(fit, dict) and all(k in fit for k in COLLECTIVE_FIT_KEYS) for fit in by_n.values())
+        for by_n in fits.values()
+    )
+    if not shaped:
+        raise ValueError(
+            "a machine profile's core_share maps world sizes to shares, and its collectives map each kind and "
+            f"world size to {{{', '.join(COLLECTIVE_FIT_KEYS)}}}; write it again with labkit calibrate."
+        )
+    values = [profile["compute_flops_per_s"], *shares.values()]
     values += [
         fit[k] for by_n in profile["collectives"].values() for fit in by_n.values() for k in ("gbytes",)
     ]
@@ -41,7 +53,7 @@ def load_machine_profile(path: str) -> dict:
         raise ValueError(
             f"cannot read the machine profile {path!r} ({e.strerror}); pass the file labkit calibrate wrote."
         ) from None
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValueError(f"{path!r} is not JSON; pass the file labkit calibrate --out wrote.") from None
 
 

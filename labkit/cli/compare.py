@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from labkit.cli import UsageError
+from labkit.cli.paths import writable_file
 from labkit.engines import ENGINES
 from labkit.engines.registry import DDP, ORACLE
 from labkit.engines.run_config import DEFAULTS, SETTINGS, RunConfig, Setting
@@ -150,20 +151,64 @@ def _group_size(flag: str, value: int | None, world_size: int) -> int | None:
             f"labkit compare: {flag} {size} does not divide --world-size {world_size}; pass a divisor of "
             f"{world_size}, e.g. the ranks of one node"
         )
+    if flag == "--hsdp" and size == world_size:
+        raise UsageError(
+            f"labkit compare: --hsdp {size} is every rank of --world-size {world_size}: one shard group is plain "
+            "full sharding, so it would change nothing; pass a smaller divisor, or drop --hsdp"
+        )
+    if flag == "--hpz" and size == 1:
+        raise UsageError(
+            "labkit compare: --hpz 1 keeps DeepSpeed's secondary weight partition on one rank, which is hpZ off; "
+            "pass a divisor of the world size above 1, e.g. the ranks of one node, or drop --hpz"
+        )
     return size
 
 
-def _predicted_lines(result: dict, cfg, machine: dict, load_before: tuple[float, ...]) -> str:
-    """Add each engine's calibrated `predicted_step_s` to its record; the lines that show it beside the measured."""
-    from labkit.calibrate import load_changed, predicted_step_s
+def _refuse_what_one_process_ignores(args: argparse.Namespace, cfg, launched: int | None) -> None:
+    """With only single-rank engines (the oracle: one process, the global batch), a flag that sets how ranks
+    share the work would be ignored: refuse it, naming it."""
+    from labkit.engines.loop import ENGINE_SETTINGS
+
+    if not all(ENGINES[e].single_rank for e in args.engines):
+        return
+    default = RunConfig()
+    given = [
+        SETTINGS[s].flag
+        for s in (*ENGINE_SETTINGS, "link_gbytes")
+        if SETTINGS[s].flag and getattr(cfg, s) != getattr(default, s)
+    ]
+    given += [flag for flag, value in (("--hsdp", args.hsdp), ("--hpz", args.hpz)) if value is not None]
+    if args.world_size is not None and launched is None:
+        given.append("--world-size")
+    if given:
+        raise UsageError(
+            f"labkit compare: {given[0]} sets how ranks share the work, and --engines {','.join(args.engines)} "
+            "trains in one process on the global batch; drop it, or add an engine that runs on ranks"
+        )
+
+
+def _predicted(engines: list[str], cfg, machine: dict) -> dict[str, float]:
+    """Each engine's calibrated step (s) on the profiled machine, before any rank starts: a profile that cannot
+    price this run is refused at once, not after it."""
+    from labkit.calibrate import predicted_step_s
     from labkit.engines.loop import options_for
+
+    try:
+        return {name: predicted_step_s(name, options_for(name, cfg), machine) for name in engines}
+    except ValueError as e:
+        raise UsageError(f"labkit compare: --machine: {e}") from None
+
+
+def _predicted_lines(result: dict, predicted: dict, machine: dict, load_before: tuple[float, ...]) -> str:
+    """Add each engine's calibrated `predicted_step_s` to its record; the lines that show it beside the measured."""
+    from labkit.calibrate import load_changed
     from labkit.tables import median_step_s
 
     lines = ["calibrated labkit.budget step (--machine) against the measured median step:"]
     if changed := load_changed(machine, load_before):
         lines.append(f"  note: {changed}")
     for name, record in result["engines"].items():
-        record["predicted_step_s"] = predicted_step_s(name, options_for(name, cfg), machine)
+        record["predicted_step_s"] = predicted[name]
         measured = median_step_s(record)
         lines.append(
             f"  {name}: predicted {record['predicted_step_s']:.3f} s, measured {measured:.3f} s "
@@ -179,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
     from labkit.tables import compare_table
 
     load_before = os.getloadavg()  # before this command's ranks start, as calibrate reads its own
+    if args.json:
+        writable_file("compare", "--json", args.json)
     try:
         machine = None if args.machine is None else load_machine_profile(args.machine)
     except ValueError as e:
@@ -196,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = RunConfig(**settings)
     except ValueError as e:
         raise UsageError(f"labkit compare: {_flagged(e)}") from None
+    _refuse_what_one_process_ignores(args, cfg, launched)
     limit, why = rank_limit()
     if launched is None and cfg.world_size > limit and any(not ENGINES[e].single_rank for e in args.engines):
         raise UsageError(
@@ -215,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
     if hpz is not None:
         options["zero_hpz_partition_size"] = hpz
     cfg = replace(cfg, options=options)
+    predicted = None if machine is None else _predicted(args.engines, cfg, machine)
     speaks = launched is None or int(os.environ.get("RANK", "0")) == 0  # under a launcher: rank 0 only
 
     def progress(name: str, record: dict, wall_s: float) -> None:
@@ -230,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(compare_table(result))
     if machine is not None:
-        print(_predicted_lines(result, cfg, machine, load_before))
+        print(_predicted_lines(result, predicted, machine, load_before))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -7,6 +7,8 @@ import contextlib
 import json
 import sys
 
+from labkit.cli.paths import writable_file
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -40,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     from labkit.doctor import diagnose, format_report
 
     to_stdout = args.json == "-"
+    if args.json and not to_stdout:
+        writable_file("doctor", "--json", args.json)
     # With --json -, stdout carries the JSON alone: anything the ranks print goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
         report = diagnose(smoke=not args.skip_smoke, students=args.students)

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from labkit.cli import UsageError
+from labkit.cli.paths import writable_file
 
 
 def register(subparsers) -> None:
@@ -174,11 +175,38 @@ def _check(args: argparse.Namespace) -> Path:
         raise UsageError(
             f"labkit grade: {target} does not exist; pass a submitted .ipynb or a folder of them"
         )
+    if not target.is_dir():
+        ignored = [
+            (args.jobs > 1, "--jobs", "grades a folder's submissions side by side"),
+            (
+                args.deadline is not None and args.gradebook is None,
+                "--deadline",
+                "fills the gradebook's late column",
+            ),
+            (
+                args.roster is not None and args.canvas is None,
+                "--roster",
+                "adds a folder's missing students, or Canvas's rows",
+            ),
+        ]
+        for given, flag, what in ignored:
+            if given:
+                raise UsageError(
+                    f"labkit grade: {flag} {what}, which grading one file without it does not use; drop it"
+                )
+    if args.canvas_assignment is not None and args.canvas is None:
+        raise UsageError(
+            "labkit grade: --canvas-assignment names the column of --canvas's CSV; pass --canvas too, or drop it"
+        )
+    for flag, value in (("--out", args.out), ("--gradebook", args.gradebook), ("--canvas", args.canvas)):
+        if value is not None:
+            writable_file("grade", flag, value, make_parents=True)
     if args.canvas and args.gradebook is None:
         raise UsageError("labkit grade: --canvas needs --gradebook (it is written from the gradebook's rows)")
     for flag, value in (("--roster", args.roster),):
         if value is not None and not Path(value).is_file():
-            raise UsageError(f"labkit grade: {flag} {value} does not exist; pass a CSV file")
+            what = "is a folder" if Path(value).is_dir() else "does not exist"
+            raise UsageError(f"labkit grade: {flag} {value} {what}; pass a CSV file")
     if args.student_pattern is not None:
         try:
             re.compile(args.student_pattern)
@@ -209,7 +237,14 @@ def _options(args: argparse.Namespace, gradebook: Path | None):
         raise UsageError(f"labkit grade: --exercise {args.exercise!r} is not an exercise; known ids: {known}")
     seed = args.seed
     if seed is None and gradebook is not None and gradebook.exists():
-        seeds = {row.get("class_seed") for row in report.read_gradebook(gradebook)} - {None, ""}
+        try:
+            rows = report.read_gradebook(gradebook)
+        except UnicodeDecodeError:
+            raise UsageError(
+                f"labkit grade: --gradebook {gradebook} is not a gradebook (not text); pass a new path or one "
+                "this command wrote"
+            ) from None
+        seeds = {row.get("class_seed") for row in rows} - {None, ""}
         seed = int(seeds.pop()) if len(seeds) == 1 else None
     limits = sandbox.Limits(memory, args.max_processes or grader.DEFAULT_MAX_PROCESSES, args.sandbox)
     return grader.Options(

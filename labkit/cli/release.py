@@ -20,10 +20,17 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
+    from labkit.cli import UsageError
+    from labkit.cli.paths import writable_folder
     from labkit.release import release_student
 
-    files = release_student(Path(args.student))
+    out = writable_folder("release", "--student", args.student)
+    try:
+        files = release_student(out)
+    except OSError as e:
+        raise UsageError(
+            f"labkit release: --student {args.student}: cannot write there ({e.strerror}); pass a folder you can write"
+        ) from None
     print(f"student release: {len(files)} files in {args.student} (no solutions/, no grader checks)")
     return 0

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
+
+EXECUTE_TIMEOUT_S = 600.0  # per notebook, with --execute
 
 
 def register(subparsers) -> None:
@@ -29,8 +32,8 @@ def register(subparsers) -> None:
         "--timeout",
         metavar="SECONDS",
         type=float,
-        default=600.0,
-        help="per notebook, with --execute (default 600)",
+        default=None,
+        help=f"per notebook, with --execute (default {EXECUTE_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--reveal-url-prefix",
@@ -43,18 +46,24 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from labkit.cli import UsageError
+    from labkit.cli.paths import writable_folder
 
-    if args.timeout <= 0:
+    if args.timeout is not None and not args.execute:
+        raise UsageError(
+            "labkit slides: --timeout limits each notebook's run, which only --execute starts; drop it"
+        )
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError(
             f"labkit slides: --timeout must be a positive number of seconds; got {args.timeout:g}"
         )
+    writable_folder("slides", "--out", args.out)
     from labkit.slides import build
 
     decks = build(
         args.out,
         args.notebooks,
         execute=args.execute,
-        timeout_s=args.timeout,
+        timeout_s=EXECUTE_TIMEOUT_S if args.timeout is None else args.timeout,
         reveal_url_prefix=args.reveal_url_prefix,
     )
     sheets = sum(1 for d in decks if d.with_name(d.name.replace(".slides.html", ".cheatsheet.html")).exists())

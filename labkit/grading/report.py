@@ -162,8 +162,11 @@ def is_late(submitted_at: str, deadline: datetime | None) -> str:
 
 def read_roster(path: Path) -> list[dict]:
     """The roster's rows, each with a "student" key (its first column of `ROSTER_KEYS`); ValueError if none."""
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        rows = list(csv.DictReader(f))
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            rows = list(csv.DictReader(f))
+    except UnicodeDecodeError:
+        raise ValueError(f"--roster {path}: not a UTF-8 CSV file; export the roster as CSV") from None
     header = list(rows[0]) if rows else []
     key = next((k for k in ROSTER_KEYS if k in header), None)
     if key is None:
