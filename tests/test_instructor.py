@@ -205,7 +205,7 @@ def test_guide_quotes_the_course_timings_of_benchmarks_results():
         quoted[name] = int(m[1])
     assert quoted == measured, f"the guide's run times differ from {RESULTS.name}: update the guide's table"
     m = re.search(
-        r"Grading all the solutions \(`labkit grade solutions/`\) took (\d+) s, and the whole\s+"
+        r"Grading all the solutions \(`labkit grade solutions/ --gradebook grades.csv`\) took (\d+) s, and the whole\s+"
         r"course, grading included, (\d+) s",
         guide,
     )
