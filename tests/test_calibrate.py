@@ -141,3 +141,17 @@ def test_a_changed_load_is_said_in_one_sentence_and_a_steady_one_is_not():
     with pytest.raises(ValueError, match="repeats=0"):
         calibrate.calibrate("tiny", (2,), repeats=0)
     assert main(["calibrate", "--out", "/dev/null", "--repeats", "0"]) == 2
+
+
+def test_a_calibration_that_stops_leaves_the_profile_already_there_whole(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "machine.json"
+    out.write_text('{"kept": 1}')
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate, "calibrate", interrupted)
+    assert main(["calibrate", "--out", str(out), "--world-sizes", "2"]) == 130
+    assert out.read_text() == '{"kept": 1}'  # not emptied before the measurement, as it used to be
+    assert main(["calibrate", "--out", str(tmp_path / "no" / "machine.json")]) == 2
+    assert "the folder" in capsys.readouterr().err

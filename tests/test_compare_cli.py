@@ -139,6 +139,9 @@ def test_every_engine_through_compare_matches_single_its_bytes_and_its_own_state
         (["--world-size", "4", "--hpz", "0"], "--hpz"),
         (["--engines", "fsdp2", "--world-size", "4", "--hsdp", "4"], "--hsdp"),  # one group: plain FSDP
         (["--engines", "deepspeed", "--world-size", "4", "--hpz", "1"], "--hpz"),  # hpZ off
+        (["--engines", "single,ddp", "--world-size", "4", "--hsdp", "2"], "--hsdp: the engines of this run"),
+        (["--engines", "single,ddp", "--offload", "nvme"], "--offload"),
+        (["--seed", "18446744073709551616"], "--seed"),  # beyond a 64-bit seed
         # what one process (the oracle alone) would ignore
         (["--engines", "single", "--offload", "cpu"], "--offload"),
         (["--engines", "single", "--link-gbytes", "1"], "--link-gbytes"),

@@ -742,10 +742,12 @@ def test_a_hostile_submission_is_contained(side_runs):
         (["{file}", "--gradebook", "{dir}"], "--gradebook {dir} is a folder"),
         (["{file}", "--out", "{file}/r.json"], "is a file, not a folder"),
         (["{dir}", "--gradebook", "g.csv", "--roster", "{dir}"], "--roster {dir} is a folder"),
+        (["{dir}/empty", "--gradebook", "{dir}/g.csv"], "holds no submission"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, args, says):
     (tmp_path / "sub.ipynb").write_text("{}")
+    (tmp_path / "empty").mkdir()
     args = [a.format(dir=tmp_path, file=tmp_path / "sub.ipynb") for a in args]
     assert main(["grade", *args]) == 2
     err = capsys.readouterr().err

@@ -420,8 +420,8 @@ def test_options_the_scratch_engine_does_not_implement_are_refused_in_one_senten
     assert main(["compare", "--engines", "single,scratch", "--world-size", "4", "--hpz", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
-        "labkit compare: options ['zero_hpz_partition_size']: the engines of this run (single, scratch) have no "
-        "such setting, so it would be ignored; zero_hpz_partition_size is deepspeed's"
+        "labkit compare: --hpz: the engines of this run (single, scratch) have no such setting, so it would be "
+        "ignored; --hpz is deepspeed's"
     )
     with pytest.raises(ValueError, match="hsdp_shard_size=3: pass a number of ranks that divides"):
         validate(["scratch"], RunConfig(world_size=4, options={"hsdp_shard_size": 3}))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from labkit.cli import UsageError
+from labkit.cli.paths import writable_file
 
 
 def _world_sizes(text: str) -> tuple[int, ...]:
@@ -72,16 +74,13 @@ def run(args: argparse.Namespace) -> int:
                 f"labkit calibrate: --world-sizes {n} does not divide the global batch of "
                 f"{global_batch} sequences of {args.model!r}; pass divisors of it"
             )
-    try:
-        with open(args.out, "w"):
-            pass
-    except OSError as e:
-        raise UsageError(
-            f"labkit calibrate: --out {args.out}: cannot write ({e.strerror}); pass a writable path"
-        ) from None
+    # checked, not opened: a profile already there stays whole until the new one is measured
+    writable_file("calibrate", "--out", args.out)
     repeats = calibrate.REPEATS if args.repeats is None else args.repeats
     profile = calibrate.calibrate(args.model, args.world_sizes, repeats=repeats)
     print(calibrate.profile_table(profile))
-    with open(args.out, "w") as f:
+    partial = f"{args.out}.partial"
+    with open(partial, "w") as f:
         json.dump(profile, f, indent=1)
+    os.replace(partial, args.out)  # whole or not at all
     return 0

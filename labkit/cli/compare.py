@@ -81,10 +81,20 @@ def _add_setting_flag(parser: argparse.ArgumentParser, name: str, setting: Setti
     parser.add_argument(setting.flag, dest=name, default=default, help=help, **kwargs)
 
 
+_OPTION_FLAGS = {
+    "hsdp_shard_size": "--hsdp",
+    "zero_hpz_partition_size": "--hpz",
+}  # options this command's flags set
+
+
 def _flagged(message: object) -> str:
-    """A `RunConfig` sentence with each `setting=value` written as the flag the user typed: `--flag value`."""
+    """A `RunConfig` or engine sentence with each `setting=value` written as the flag the user typed
+    (`--flag value`), and each engine option this command sets as its flag."""
     pattern = r"\b(" + "|".join(_VALUE_FLAGS) + r")="
-    return re.sub(pattern, lambda m: f"{_VALUE_FLAGS[m.group(1)]} ", str(message))
+    text = re.sub(pattern, lambda m: f"{_VALUE_FLAGS[m.group(1)]} ", str(message))
+    for option, flag in _OPTION_FLAGS.items():
+        text = re.sub(rf"(options )?\[?'?\b{option}\b'?\]?", flag, text)
+    return text
 
 
 def register(subparsers) -> None:
@@ -263,6 +273,10 @@ def run(args: argparse.Namespace) -> int:
     if hpz is not None:
         options["zero_hpz_partition_size"] = hpz
     cfg = replace(cfg, options=options)
+    try:
+        loop.validate(args.engines, cfg)  # what these engines make of the settings: said with the flags
+    except ValueError as e:
+        raise UsageError(f"labkit compare: {_flagged(e)}") from None
     predicted = None if machine is None else _predicted(args.engines, cfg, machine)
     speaks = launched is None or int(os.environ.get("RANK", "0")) == 0  # under a launcher: rank 0 only
 

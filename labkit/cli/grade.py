@@ -297,6 +297,10 @@ def _grade_folder(target: Path, gradebook: Path, options, args, roster, deadline
     from labkit.grading import grader, report
 
     files = grader.submissions(target)
+    if not files and roster is None:  # with a roster, a row per missing student is still worth writing
+        raise UsageError(
+            f"labkit grade: {target} holds no submission (*.ipynb); pass the folder the notebooks were collected in"
+        )
     runs = (
         f"--timeout {options.timeout_s:g} s for each notebook run" if options.run_notebook else "answers only"
     )

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         RendezvousTimeoutError,
     )
 
-    targs = torchrun.parse_args(args.torchrun_args)
+    targs = _parse(torchrun, args.torchrun_args)
     conf = _rdzv_conf(targs.rdzv_conf)
     where = targs.rdzv_endpoint or f"{targs.master_addr}:{targs.master_port}"
     # The agent's own logs of the same failure (and its traceback) would bury the sentence below.
@@ -109,6 +109,28 @@ def run(args: argparse.Namespace) -> int:
     finally:
         elastic.setLevel(saved_level)
     return 0
+
+
+def _parse(torchrun, argv: list[str]) -> argparse.Namespace:
+    """torchrun's own arguments, parsed by its own parser; a bad one said in one sentence (not torchrun's
+    usage block), as is a node count or a ranks-per-node torchrun would only reject later, with a traceback."""
+
+    def refuse(message: str):
+        raise UsageError(f"labkit torchrun: {message}; `torchrun --help` lists its arguments")
+
+    parser = torchrun.get_args_parser()
+    parser.error = refuse
+    targs = parser.parse_args(argv)
+    try:
+        low, high = torchrun.parse_min_max_nnodes(targs.nnodes)
+    except ValueError:
+        low = high = 0
+    if not 0 < low <= high:
+        refuse(f"--nnodes {targs.nnodes} is not a node count N, or MIN:MAX with 0 < MIN <= MAX")
+    per_node = str(targs.nproc_per_node)
+    if not ((per_node.isdigit() and int(per_node) > 0) or per_node in ("auto", "cpu", "gpu", "xpu")):
+        refuse(f"--nproc-per-node {per_node} is not a number of ranks (1 or more), auto, cpu or gpu")
+    return targs
 
 
 def _rdzv_conf(text: str) -> dict[str, str]:

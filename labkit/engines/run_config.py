@@ -30,6 +30,7 @@ class Setting(NamedTuple):
     unit: str = ""
     choices: tuple[str, ...] = ()
     low: int | None = None
+    high: int | None = None
     flag: str = ""
     flag_help: str = ""
 
@@ -60,7 +61,9 @@ class RunConfig:
         choices=tuple(DTYPE_BYTES),
         flag="--dtype",
     )
-    seed: int = _setting(0, "count", "seed of the initial weights and the batches", flag="--seed")
+    seed: int = _setting(
+        0, "count", "seed of the initial weights and the batches", low=0, high=2**63 - 1, flag="--seed"
+    )
     lr: float = _setting(1e-3, "number", "AdamW's learning rate")
     betas: tuple[float, float] = _setting((0.9, 0.95), "pair", "AdamW's decay rates of its two moments")
     eps: float = _setting(1e-8, "number", "AdamW's epsilon")
@@ -157,10 +160,13 @@ def _check_model(name: str, value: Any, s: Setting) -> None:
 
 
 def _check_count(name: str, value: Any, s: Setting) -> None:
-    if not _whole(value) or (s.low is not None and value < s.low):
+    below = s.low is not None and _whole(value) and value < s.low
+    above = s.high is not None and _whole(value) and value > s.high
+    if not _whole(value) or below or above:
         of = f" of {s.unit}" if s.unit else ""
         least = "" if s.low is None else f", {s.low} or more"
-        raise ValueError(f"{name}={value!r}: pass a whole number{of}{least}")
+        most = "" if s.high is None else f", at most {s.high:,}"
+        raise ValueError(f"{name}={value!r}: pass a whole number{of}{least}{most}")
 
 
 def _check_number(name: str, value: Any, s: Setting) -> None:
