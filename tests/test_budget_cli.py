@@ -328,3 +328,40 @@ def test_help_lists_the_assumptions():
         "--gpu-memory N memory of one GPU, for the verdict (an H100: 80 GB) [bytes] (default: 80 GB)" in text
     )
     assert "or auto: the fewest that fit --gpu-memory" in text
+
+
+UNREAD = {  # an input, a value other than its default, and a plan that does not read it
+    "group_size": (8, {}),
+    "reshard_after_forward": (False, {"strategy": "ddp"}),
+    "prefetch": (False, {"strategy": "zero2"}),
+    "quant_block_elems": (128, {}),
+    "nvme_gbytes": (3.0, {"offload_optimizer": "cpu"}),
+    "host_gbytes": (10.0, {}),
+    "host_adam_params_per_s": (5e8, {"offload_params": "cpu"}),
+    "attention_heads": (16, {}),
+    "seq_len": (2048, {}),
+    "micro_batch": (2, {}),
+    "vocab_size": (50_000, {}),
+    "zero_init": (False, {}),
+    "additional_buffer_factor": (2.0, {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNREAD))
+def test_a_flag_the_plan_would_not_read_is_refused_and_truly_changes_nothing(name, capsys):
+    from labkit.cli.budget import _FLAGS
+
+    value, base = UNREAD[name]
+    without = budget.plan(7e9, 16, **base)
+    given = budget.plan(7e9, 16, **base, **{name: value})
+    echoed = ("options", "assumptions")  # the inputs, as the plan repeats them
+    assert {k: v for k, v in given.items() if k not in echoed} == {
+        k: v for k, v in without.items() if k not in echoed
+    }  # the refusal's sentence is true: the plan comes out the same
+    flag = _FLAGS[name]
+    typed = [flag] if isinstance(value, bool) else [flag, str(value)]
+    argv = ["budget", "--params", "7e9", "--world-size", "16"]
+    argv += [f"--{k.replace('_', '-')}={v}" for k, v in base.items()]
+    assert main([*argv, *typed]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{flag} would change nothing in this plan" in err

@@ -127,11 +127,48 @@ def _plan(options: dict) -> dict:
     return result
 
 
+# Inputs that only some plans read: (input, whether this plan reads it, what would make it read it). A value
+# other than the default for a plan that does not read it is refused, as an ignored flag would mislead.
+_READ_ONLY_WHEN = (
+    ("group_size", lambda o: o["strategy"] == "hsdp", "--strategy hsdp"),
+    ("reshard_after_forward", lambda o: o["strategy"] in ("zero3", "hsdp"), "--strategy zero3 or hsdp"),
+    ("prefetch", lambda o: o["strategy"] in ("zero3", "hsdp"), "--strategy zero3 or hsdp"),
+    ("quant_block_elems", lambda o: o["qwz"] or o["qgz"], "--qwz or --qgz"),
+    ("nvme_gbytes", lambda o: "nvme" in (o["offload_optimizer"], o["offload_params"]), "an offload to nvme"),
+    (
+        "host_gbytes",
+        lambda o: (o["offload_optimizer"], o["offload_params"]) != ("none", "none"),
+        "an offload",
+    ),
+    ("host_adam_params_per_s", lambda o: o["offload_optimizer"] != "none", "--offload-optimizer"),
+    ("peak_tflops", lambda o: "machine" not in o, "no --machine (its profile's rate prices the compute)"),
+    ("mfu", lambda o: "machine" not in o, "no --machine (its profile's rate prices the compute)"),
+    *(
+        (name, lambda o: o["hidden_size"] > 0, "--hidden-size (the activations' model)")
+        for name in ("attention_heads", "seq_len", "micro_batch", "vocab_size")
+    ),
+    ("zero_init", lambda o: o["accounting"] == "deepspeed", "--accounting deepspeed"),
+    ("additional_buffer_factor", lambda o: o["accounting"] == "deepspeed", "--accounting deepspeed"),
+)
+
+
+def _refuse_unread(options: dict) -> None:
+    defaults = {i.name: i.default for i in budget.INPUTS}
+    for name, reads, needs in _READ_ONLY_WHEN:
+        if options[name] != defaults[name] and not reads(options):
+            raise UsageError(
+                f"labkit budget: {_FLAGS[name]} would change nothing in this plan: only a plan with {needs} "
+                "reads it; drop it, or add what reads it"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     """Compute the plan, print the table (unless JSON goes to stdout), write JSON if asked."""
     try:
         machine = {} if args.machine is None else {"machine": budget.load_machine_profile(args.machine)}
-        result = _plan({i.name: getattr(args, i.name) for i in budget.INPUTS} | machine)
+        options = {i.name: getattr(args, i.name) for i in budget.INPUTS} | machine
+        _refuse_unread(options)
+        result = _plan(options)
     except ValueError as e:
         raise UsageError(f"labkit budget: {_flagged(e)}") from None
     text = json.dumps(result, indent=2)
