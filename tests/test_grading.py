@@ -10,6 +10,7 @@ rest are unit tests of the pieces, on planted answers, in this process.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -922,22 +923,29 @@ def _ex02_watch(answer: str, log: Path) -> integrity.UseWatch:
     return integrity.UseWatch(exercise.forbidden, exercise.allowed, ["answer-shard"], log)
 
 
+@contextlib.contextmanager
+def _watched_answer(answer: str, log: Path):
+    """ex02's answer cell `answer` run under its use watch (`_ex02_watch`): (the watch, the cell's namespace),
+    the watch removed on leaving."""
+    watch, namespace = _ex02_watch(answer, log), {}
+    watch.install()
+    try:
+        exec(compile(answer, "<cell answer-shard>", "exec"), namespace)
+        yield watch, namespace
+    finally:
+        watch.remove()
+
+
 def test_the_use_watch_sees_modules_an_answer_imports_by_a_name_built_at_run_time(tmp_path):
     import torch
 
-    watch = _ex02_watch(RUNTIME_IMPORT, tmp_path / "log")
-    namespace: dict = {}
-    watch.install()
-    try:
-        exec(compile(RUNTIME_IMPORT, "<cell answer-shard>", "exec"), namespace)
+    with _watched_answer(RUNTIME_IMPORT, tmp_path / "log") as (watch, namespace):
         import importlib
 
         importlib.import_module("labkit.zero.sharding")  # not an answer cell's frame: not noted
         assert watch.found() == {}
         namespace["shard_rows"](torch.ones(4, 2), 0, 2)
         namespace["gather_full"](None, 0, 2)
-    finally:
-        watch.remove()
     assert watch.found() == {
         "answer-shard": ["labkit.zero.comm", "labkit.zero.sharding", "labkit.zero.sharding.shard_dim0"]
     }
@@ -1036,15 +1044,9 @@ def test_the_use_watch_sees_labkit_code_an_answer_hands_to_a_thread(tmp_path):
 
     import labkit.zero.sharding  # noqa: F401 (in sys.modules, where the answer looks it up)
 
-    watch = _ex02_watch(HANDED_OFF, tmp_path / "log")
-    namespace: dict = {}
-    watch.install()
-    try:
-        exec(compile(HANDED_OFF, "<cell answer-shard>", "exec"), namespace)
+    with _watched_answer(HANDED_OFF, tmp_path / "log") as (watch, namespace):
         namespace["shard_rows"](torch.ones(3, 2), 1, 2)
         assert namespace["gather_full"](torch.ones(2, 2), 2, 1).shape == (2, 2)
-    finally:
-        watch.remove()
     assert watch.found() == {
         "answer-shard": ["labkit.zero.sharding.shard_dim0", "labkit.zero.sharding.unshard_dim0"]
     }
