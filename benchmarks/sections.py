@@ -20,9 +20,19 @@ def write_section(path: str, heading: str, lines: list[str]) -> None:
         f.write(text)
 
 
-def write_report(path: str, lines: list[str]) -> None:
-    """Write `lines` as the whole markdown file at `path`, and print them."""
+def write_report(path: str, lines: list[str], keep_others: bool = False) -> None:
+    """Write `lines` as the markdown file at `path`, and print them. `keep_others`: the file's `## ` sections
+    this report does not write (those other scripts put there with `write_section`) stay, after it."""
     text = "\n".join(lines) + "\n"
+    print(text)
+    if keep_others and os.path.exists(path):
+        own = {line for line in lines if line.startswith("## ")}
+        others = [block for block in _sections(open(path).read()) if block.split("\n", 1)[0] not in own]
+        text = "\n".join([text.rstrip("\n"), *(block.rstrip("\n") for block in others)]) + "\n"
     with open(path, "w") as f:
         f.write(text)
-    print(text)
+
+
+def _sections(text: str) -> list[str]:
+    """The `## ` sections of a markdown text, each from its heading line to the next one."""
+    return [m.group(0) for m in re.finditer(r"^## .*?(?=^## |\Z)", text, re.S | re.M)]

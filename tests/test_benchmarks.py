@@ -142,3 +142,22 @@ def test_profile_step_writes_a_perfetto_trace_of_one_step_per_engine(tmp_path):
         assert [n for n in names if n.startswith("ProfilerStep#")] == ["ProfilerStep#3"], engine
         assert any(collective in n.replace("_", "") for n in names), (engine, sorted(set(names))[:40])
         assert "Self CPU" in table
+
+
+def test_a_whole_report_keeps_the_sections_other_benchmarks_put_in_the_file(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from sections import write_report, write_section
+
+    out = tmp_path / "results.md"
+    write_report(str(out), ["# Benchmarks", "", "## Step time", "old", "", "## Against the targets", "- old"])
+    write_section(str(out), "## CPU Adam throughput", ["## CPU Adam throughput (params/s)", "1e9"])
+    write_report(
+        str(out), ["# Benchmarks", "", "## Step time", "new", "", "## Against the targets", "- new"], True
+    )
+    text = out.read_text()
+    assert "new" in text and "old" not in text  # its own sections replaced
+    assert text.index("## Against the targets") < text.index("## CPU Adam throughput (params/s)\n1e9")
+    write_report(
+        str(out), ["# Benchmarks", "", "## Step time", "again"]
+    )  # without keep_others: the whole file
+    assert "CPU Adam" not in out.read_text()

@@ -212,4 +212,4 @@ def test_fsdp1_is_a_compare_engine_and_refuses_host_offload_on_cpu_ranks_in_one_
     # The CLI contract: one line on stderr naming the setting, exit status 2, before any rank starts.
     assert cli.main(["compare", "--engines", "single,fsdp1", "--world-size", "4", "--hpz", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "zero_hpz_partition_size" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "--hpz: the engines of this run" in err and "Traceback" not in err
