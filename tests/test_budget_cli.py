@@ -361,7 +361,7 @@ def test_a_flag_the_plan_would_not_read_is_refused_and_truly_changes_nothing(nam
     flag = _FLAGS[name]
     typed = [flag] if isinstance(value, bool) else [flag, str(value)]
     argv = ["budget", "--params", "7e9", "--world-size", "16"]
-    argv += [f"--{k.replace('_', '-')}={v}" for k, v in base.items()]
+    argv += [f"{_FLAGS[k]}={v}" for k, v in base.items()]
     assert main([*argv, *typed]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and f"{flag} would change nothing in this plan" in err

@@ -31,9 +31,7 @@ def check_machine_profile(profile: dict) -> dict:
             f"world size to {{{', '.join(COLLECTIVE_FIT_KEYS)}}}; write it again with labkit calibrate."
         )
     values = [profile["compute_flops_per_s"], *shares.values()]
-    values += [
-        fit[k] for by_n in profile["collectives"].values() for fit in by_n.values() for k in ("gbytes",)
-    ]
+    values += [fit[k] for by_n in fits.values() for fit in by_n.values() for k in ("gbytes",)]
     if not all(isinstance(v, (int, float)) and v > 0 for v in values):
         raise ValueError(
             "a machine profile's rates, shares and bandwidths must be positive numbers; "

@@ -177,16 +177,12 @@ def _group_size(flag: str, value: int | None, world_size: int) -> int | None:
 def _refuse_what_one_process_ignores(args: argparse.Namespace, cfg, launched: int | None) -> None:
     """With only single-rank engines (the oracle: one process, the global batch), a flag that sets how ranks
     share the work would be ignored: refuse it, naming it."""
-    from labkit.engines.loop import ENGINE_SETTINGS
+    from labkit.engines.loop import ENGINE_SETTINGS, changed_settings
 
     if not all(ENGINES[e].single_rank for e in args.engines):
         return
-    default = RunConfig()
-    given = [
-        SETTINGS[s].flag
-        for s in (*ENGINE_SETTINGS, "link_gbytes")
-        if SETTINGS[s].flag and getattr(cfg, s) != getattr(default, s)
-    ]
+    changed = changed_settings(cfg, (*ENGINE_SETTINGS, "link_gbytes"))
+    given = [SETTINGS[s].flag for s in changed if SETTINGS[s].flag]
     given += [flag for flag, value in (("--hsdp", args.hsdp), ("--hpz", args.hpz)) if value is not None]
     if args.world_size is not None and launched is None:
         given.append("--world-size")

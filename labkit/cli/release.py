@@ -20,7 +20,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
     from labkit.cli import UsageError
     from labkit.cli.paths import writable_folder
     from labkit.release import release_student

@@ -145,20 +145,23 @@ def check_settings(engines: Sequence[str], cfg: RunConfig) -> None:
     """Refuse, in one sentence naming the setting and its flag, a non-default setting no engine of the run
     reads (e.g. `offload="cpu"` for ddp alone), as `check_options` refuses an option. The oracle (`single`)
     takes any of them alone or beside an engine that reads them: none changes its arithmetic."""
-    default = RunConfig()
     others = [e for e in engines if not single_rank(e)]
-    for setting in ENGINE_SETTINGS:
-        value = getattr(cfg, setting)
-        if value == getattr(default, setting) or not others:
-            continue
+    for setting in changed_settings(cfg) if others else ():
         if any(setting in engine_settings(e) for e in others):
             continue
-        flag = SETTINGS[setting].flag
+        value, flag = getattr(cfg, setting), SETTINGS[setting].flag
         readers = ", ".join(e for e in ENGINES if setting in engine_settings(e))
         raise ValueError(
             f"{setting}={value!r}{f' ({flag})' if flag else ''}: the engines of this run "
             f"({', '.join(engines)}) have no such setting, so it would be ignored; it is {readers}'s"
         )
+
+
+def changed_settings(cfg: RunConfig, names: Sequence[str] = ENGINE_SETTINGS) -> list[str]:
+    """The settings of `names` (by default those only some engines read) that `cfg` sets to other than
+    RunConfig's default."""
+    default = RunConfig()
+    return [name for name in names if getattr(cfg, name) != getattr(default, name)]
 
 
 def engine_settings(name: str) -> tuple[str, ...]:
