@@ -7,7 +7,12 @@
     core_share[n]          the part of that rate each of n ranks keeps when n ranks train at once on their
                            slices of the batch (ranks sharing cores, smaller matrices), per world size
     collectives[kind][n]   gloo's latency (s) and bandwidth (GB/s of ring wire bytes) for all-gather,
-                           reduce-scatter and all-reduce: a least-squares line through a few message sizes
+                           reduce-scatter and all-reduce: a line through a few message sizes, fitted by
+                           the median of the pairwise slopes (Theil-Sen), which one slow call cannot tilt
+
+Every time is the rank's clock (`labkit.probes.clock`): on ranks with a core each, wall time less the
+moments a rank waited for a core, so a neighbour's load does not enter the rates; the profile records how
+much it took meanwhile (`machine.noise`: the ranks' run delay over wall time, and each figure's spread).
 
 on CPU ranks (a GPU machine's own rates are not measured here: its plans keep the datasheet defaults),
 and returns the profile as a JSON-able dict (`labkit.budget.check_machine_profile` says its keys), which
@@ -22,6 +27,7 @@ import os
 import platform
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -31,10 +37,13 @@ from labkit import budget
 from labkit.engines import ENGINES
 from labkit.engines.base import RunConfig
 from labkit.engines.registry import FSDP2, SCRATCH
+from labkit.measured import Measured, interleaved
 from labkit.model import batch, build_model, config, count_params
+from labkit.probes.clock import RankClock, rank_clock
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-PAYLOAD_BYTES = (96_000, 960_000, 3_840_000, 9_600_000)  # full tensors; fp32 elements divisible by 2, 3, 4
+# full tensors, fp32 elements divisible by 2, 3 and 4; five, so the line's median slope ignores one bad size
+PAYLOAD_BYTES = (96_000, 960_000, 1_920_000, 3_840_000, 9_600_000)
 COMPUTE_STEPS = 4  # timed training steps per measurement, after one warm-up step
 COLLECTIVE_REPS = 5  # timed calls per kind and size, after one warm-up call
 REPEATS = 3  # interleaved rounds of the alone and together steps; their medians are kept
@@ -44,14 +53,19 @@ LOAD_CHANGE = 0.5  # a change of the 1-minute load average, per CPU, that `load_
 # ------------------------------------------------------------------------------------------ the fit
 
 
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
-    """Least-squares y = a + b x through the points: (a, b, the root-mean-square residual of y)."""
-    k = len(xs)
-    if k < 2 or len(set(xs)) < 2:
-        raise ValueError(f"a line needs points at two or more distinct x; got {k} point(s)")
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    a = my - b * mx
+def robust_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Theil-Sen y = a + b x: b the median of the slopes between every two points at distinct x, a the median
+    of y - b x; (a, b, the root-mean-square residual of y). One outlying point moves neither."""
+    slopes = [
+        (ys[j] - ys[i]) / (xs[j] - xs[i])
+        for i in range(len(xs))
+        for j in range(i + 1, len(xs))
+        if xs[j] != xs[i]
+    ]
+    if not slopes:
+        raise ValueError(f"a line needs points at two or more distinct x; got {len(xs)} point(s)")
+    b = statistics.median(slopes)
+    a = statistics.median(y - b * x for x, y in zip(xs, ys, strict=True))
     rms = math.sqrt(statistics.fmean((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True)))
     return a, b, rms
 
@@ -59,10 +73,10 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 def collective_fit(points: list[tuple[int, float]]) -> dict:
     """gloo's cost of one collective kind at one world size: seconds = latency_s + wire_bytes / (gbytes x 1e9).
 
-    `points`: (wire bytes one rank sends, median seconds of the call). Returns the line, its residual and
-    the points, so a profile carries the measurements its fit came from.
+    `points`: (wire bytes one rank sends, median seconds of the call), fitted by `robust_line`. Returns the
+    line, its residual and the points, so a profile carries the measurements its fit came from.
     """
-    latency_s, s_per_byte, residual_s = fit_line([p[0] for p in points], [p[1] for p in points])
+    latency_s, s_per_byte, residual_s = robust_line([p[0] for p in points], [p[1] for p in points])
     if s_per_byte <= 0:
         raise ValueError(
             "the measured collective times do not grow with the message size (the machine was too busy); "
@@ -91,22 +105,27 @@ def _train_steps_s(model_name: str, world_size: int, rank: int) -> list[float]:
     ][1:]
 
 
-def _collective_s(kind: str, payload_bytes: int, n: int) -> list[float]:
-    """Seconds of each timed call of one collective of `payload_bytes` (fp32) on this rank, a barrier before each."""
-    full = torch.ones(payload_bytes // 4)
-    shard = torch.ones(full.numel() // n)
-    calls = {
-        "all_gather": lambda: dist.all_gather_single(full, shard),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
-        "all_reduce": lambda: dist.all_reduce(full),
-    }
-    out = []
-    for _ in range(COLLECTIVE_REPS + 1):
+def _collectives_s(kind: str, n: int) -> dict[int, list[float]]:
+    """{payload bytes: seconds of each timed call} of one collective kind on this rank, a barrier before each
+    call, the sizes interleaved (each round every size, in alternating order) so a passing load touches them
+    alike; the first round warms up and is dropped. Seconds on the rank's clock."""
+    clock = rank_clock()
+    calls = {}
+    for p in PAYLOAD_BYTES:
+        full, shard = torch.ones(p // 4), torch.ones(p // 4 // n)
+        calls[p] = {
+            "all_gather": partial(dist.all_gather_single, full, shard),
+            "reduce_scatter": partial(dist.reduce_scatter_single, shard, full),
+            "all_reduce": partial(dist.all_reduce, full),
+        }[kind]
+    out: dict[int, list[float]] = {p: [] for p in PAYLOAD_BYTES}
+    for i, p in enumerate(interleaved(PAYLOAD_BYTES, COLLECTIVE_REPS + 1)):
         dist.barrier()
-        start = time.perf_counter()
-        calls[kind]()
-        out.append(time.perf_counter() - start)
-    return out[1:]
+        start = clock.now()
+        calls[p]()
+        if i >= len(PAYLOAD_BYTES):
+            out[p].append(clock.now() - start)
+    return out
 
 
 def _measure_rank(model_name: str, alone_first: bool, repeats: int) -> dict:
@@ -116,6 +135,7 @@ def _measure_rank(model_name: str, alone_first: bool, repeats: int) -> dict:
     torch.set_num_threads(1)
     rank, n = dist.get_rank(), dist.get_world_size()
     out: dict = {"alone_s": [], "together_s": []}
+    delay, wall_s = RankClock(), time.perf_counter()
     for _ in range(repeats):
         if alone_first:
             if rank == 0:
@@ -123,7 +143,8 @@ def _measure_rank(model_name: str, alone_first: bool, repeats: int) -> dict:
             dist.barrier()
         out["together_s"] += _train_steps_s(model_name, n, rank)
         dist.barrier()
-    out["collectives"] = {k: {p: _collective_s(k, p, n) for p in PAYLOAD_BYTES} for k in KINDS}
+    out["collectives"] = {k: _collectives_s(k, n) for k in KINDS}
+    out["run_delay_share"] = delay.run_delay_s() / (time.perf_counter() - wall_s)
     return out
 
 
@@ -156,14 +177,20 @@ def calibrate(
         raise ValueError(f"world_sizes={world_sizes!r}: pass world sizes of 2 ranks or more, e.g. (2, 4)")
     rate = None
     core_share, collectives = {"1": 1.0}, {k: {} for k in KINDS}
+    noise: dict[str, dict[str, float]] = {"run_delay_share": {}, "compute_spread": {}}
     for n in sizes:
         ranks = labkit.launch(
             _measure_rank, n, model, rate is None, repeats, timeout=timeout_s * repeats, device_type="cpu"
         )
         if rate is None:
             rate = flops_per_token * cfg.global_batch * cfg.seq_len / statistics.median(ranks[0]["alone_s"])
+            noise["compute_spread"]["1"] = _relative_spread(ranks[0]["alone_s"])
         tokens = cfg.global_batch // n * cfg.seq_len
         together_s = _slowest([r["together_s"] for r in ranks])
+        noise["compute_spread"][str(n)] = _relative_spread(
+            [max(t) for t in zip(*(r["together_s"] for r in ranks), strict=True)]
+        )
+        noise["run_delay_share"][str(n)] = max(r["run_delay_share"] for r in ranks)
         core_share[str(n)] = flops_per_token * tokens / together_s / rate
         for kind in KINDS:
             points = [
@@ -185,6 +212,7 @@ def calibrate(
                 "load_average_before": load_before,
                 "load_average": list(os.getloadavg()),
                 "repeats": repeats,
+                "noise": noise,
             },
             "model": model,
             "compute_flops_per_s": rate,
@@ -192,6 +220,12 @@ def calibrate(
             "collectives": collectives,
         }
     )
+
+
+def _relative_spread(seconds: list[float]) -> float:
+    """The interquartile range of `seconds` over their median: how noisy a measurement was."""
+    m = Measured.of(seconds)
+    return m.spread / m.median
 
 
 # ------------------------------------------------------------------------------------------ prediction
@@ -277,6 +311,14 @@ def profile_table(profile: dict) -> str:
         lines.append(
             f"medians of {machine['repeats']} interleaved rounds; 1-minute load average "
             f"{machine['load_average_before'][0]:.1f} before, {machine['load_average'][0]:.1f} after"
+        )
+    if "noise" in machine:
+        noise = machine["noise"]
+        lines.append(
+            "how busy: other work held a rank's core "
+            + ", ".join(f"{v:.0%} of the time at {n} ranks" for n, v in noise["run_delay_share"].items())
+            + "; compute spread (IQR / median) "
+            + ", ".join(f"{v:.0%} at {n}" for n, v in noise["compute_spread"].items())
         )
     rows = [("collective", "ranks", "latency ms", "GB/s", "residual ms")]
     for kind, by_n in profile["collectives"].items():

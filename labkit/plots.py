@@ -562,16 +562,21 @@ def mesh_figure(
     return fig
 
 
-def roofline(rows: Sequence[dict], measured: dict, closed_form: dict, *, ax=None) -> Figure:
+def roofline(rows: Sequence[dict], measured: dict, closed_form: dict | None, *, ax=None) -> Figure:
     """A sweep of `labkit.lessons.roofline` (ms against tokens per rank, log x): each step's compute and its
-    exposed communication over the emulated link, the link's time for the step's bytes, the fitted floor and
-    fall (`measured`), and the two crossovers: the fit's and the closed form's (`closed_form`)."""
+    exposed communication over the emulated link (medians, with their interquartile ranges as bars), the
+    link's time for the step's bytes, the fitted floor and fall (`measured`), and the two crossovers: the
+    fit's and the closed form's (`closed_form`; None where the sweep did not reach it)."""
     fig, ax = _figure_and_axes(ax, (6.4, 3.4))
     tokens = [r["tokens_per_rank"] for r in rows]
-    ax.plot(tokens, [r["compute_s"] * 1e3 for r in rows], "o-", color="#55A868", label="compute (no link)")
-    ax.plot(
-        tokens, [r["exposed_s"] * 1e3 for r in rows], "o-", color="#C44E52", label="exposed comm, prefetch on"
-    )
+    for key, style, colour, label in (
+        ("compute", "o-", "#55A868", "compute (no link)"),
+        ("exposed", "o-", "#C44E52", "exposed comm, prefetch on"),
+    ):
+        figures = [r[key].scaled(1e3) for r in rows]
+        medians = [m.median for m in figures]
+        bars = [[m.median - m.q1 for m in figures], [m.q3 - m.median for m in figures]]
+        ax.errorbar(tokens, medians, yerr=bars, fmt=style, color=colour, capsize=2, label=label)
     ax.plot(
         tokens,
         [r["link_s"] * 1e3 for r in rows],
@@ -587,7 +592,8 @@ def roofline(rows: Sequence[dict], measured: dict, closed_form: dict, *, ax=None
     ]
     ax.plot(fit_x, fit_y, ":", color="#333333", label="fit: floor + slope x max(0, T_x - T)")
     ax.axvline(measured["tokens_per_rank"], color="#C44E52", alpha=0.5, label="measured crossover T_x")
-    ax.axvline(closed_form["tokens_per_rank"], color="#4C72B0", alpha=0.5, label="closed form T*")
+    if closed_form is not None:
+        ax.axvline(closed_form["tokens_per_rank"], color="#4C72B0", alpha=0.5, label="closed form T*")
     ax.set_xscale("log")
     ax.set_xlabel("tokens per rank per step")
     ax.set_ylabel("ms per step")

@@ -15,6 +15,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from labkit.measured import Measured
+
 # The prediction counts as right within this relative distance of the measurement.
 RIGHT_WITHIN = 0.05
 
@@ -79,7 +81,8 @@ def format_quantity(value: float, unit: str) -> str:
 class Reveal:
     """Measured against predicted (and against a formula): what `Prediction.reveal` shows.
 
-    `ratio` is predicted / measured (None without a prediction); `right` is within RIGHT_WITHIN of it.
+    `ratio` is predicted / measured (None without a prediction); `right` is within RIGHT_WITHIN of it, or
+    inside `spread` (the measurement's interquartile range over its repeats, when it has one).
     """
 
     question: str
@@ -90,6 +93,7 @@ class Reveal:
     formula_text: str = ""
     mistake: str = ""
     source: str = "measured"  # or "computed" (by labkit.budget), said before the number
+    spread: tuple[float, float, int] | None = None  # (q1, q3, repeats) of a repeated measurement
 
     @property
     def ratio(self) -> float | None:
@@ -101,11 +105,13 @@ class Reveal:
     def right(self) -> bool:
         if self.predicted is None:
             return False
+        if self.spread is not None and self.spread[0] <= self.predicted <= self.spread[1]:
+            return True
         return math.isclose(self.predicted, self.measured, rel_tol=RIGHT_WITHIN, abs_tol=1e-12)
 
     def lines(self) -> list[str]:
         q = lambda v: format_quantity(v, self.unit)  # noqa: E731
-        out = [f"{self.question}: {self.source} {q(self.measured)}."]
+        out = [f"{self.question}: {self.source} {q(self.measured)}{self._spread_text()}."]
         if self.predicted is None:
             out.append("No prediction entered (type one in the box above, then run this cell again).")
         elif self.right:
@@ -118,6 +124,8 @@ class Reveal:
                 agree = "equal to the byte"
             elif self.unit != "B" and math.isclose(self.formula, self.measured, rel_tol=1e-9):
                 agree = "equal"  # up to rounding: the same sum, added in another order
+            elif self.spread is not None and self.spread[0] <= self.formula <= self.spread[1]:
+                agree = f"inside the measurement's spread ({self.source} / formula = {self.measured / self.formula:.4g})"
             else:
                 ratio = self.measured / self.formula if self.formula else None
                 agree = f"{self.source} / formula = {ratio:.4g}" if ratio is not None else ""
@@ -125,6 +133,13 @@ class Reveal:
         if self.mistake and self.predicted is not None and not self.right:
             out.append(f"The usual mistake: {self.mistake}")
         return out
+
+    def _spread_text(self) -> str:
+        if self.spread is None:
+            return ""
+        q1, q3, n = self.spread
+        q = lambda v: format_quantity(v, self.unit)  # noqa: E731
+        return f" (the median of {n}; interquartile range {q(q1)} to {q(q3)})"
 
     def _miss(self) -> str:
         ratio = self.ratio
@@ -170,7 +185,7 @@ class Prediction:
 
     def reveal(
         self,
-        measured: float,
+        measured: float | Measured,
         formula: float | None = None,
         formula_text: str = "",
         mistake: str = "",
@@ -178,7 +193,8 @@ class Prediction:
     ) -> Reveal:
         """Show the measurement beside the prediction (and the formula), and return what was shown.
 
-        `measured` and `formula` are in the prediction's unit; `mistake` is one line on the usual error,
+        `measured` and `formula` are in the prediction's unit (a `Measured` shows its median and spread, and
+        a prediction inside its interquartile range counts as right); `mistake` is one line on the usual error,
         shown only when a prediction was entered and missed; `source` says where `measured` comes from ("computed" for a
         figure of labkit.budget). A typed prediction that is not a number is reported, not raised.
         """
@@ -187,6 +203,9 @@ class Prediction:
         except ValueError as e:
             print(f"(your prediction was not read: {e})")
             predicted = None
+        spread = (measured.q1, measured.q3, measured.n) if isinstance(measured, Measured) else None
+        if isinstance(measured, Measured):
+            measured = measured.median
         shown = Reveal(
             self.question,
             self.unit,
@@ -196,6 +215,7 @@ class Prediction:
             formula_text,
             mistake,
             source,
+            spread if spread and spread[2] > 1 else None,
         )
         _show(shown)
         return _Shown(shown)

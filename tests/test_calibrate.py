@@ -11,6 +11,7 @@ import pytest
 
 from labkit import budget, calibrate
 from labkit.cli import main
+from labkit.neighbours import busy_neighbours
 
 HAND = {  # a machine: 10 GFLOP/s alone, half of it at 2 ranks; every collective 1 ms + 1 GB/s
     "compute_flops_per_s": 1e10,
@@ -20,23 +21,33 @@ HAND = {  # a machine: 10 GFLOP/s alone, half of it at 2 ranks; every collective
 HAND_PLAN = {"layers": 4, "tokens_per_rank": 1000, "precision": "fp32", "gpus_per_node": 2}
 
 
-def test_fit_line_recovers_an_exact_line_and_is_numpys_least_squares_on_noisy_points():
-    xs = [1e5, 1e6, 4e6, 1e7]
-    a, b, rms = calibrate.fit_line(xs, [2e-3 + x / 5e8 for x in xs])
+def test_the_robust_line_recovers_an_exact_line_and_one_slow_call_cannot_tilt_it():
+    xs = [1e5, 1e6, 2e6, 4e6, 1e7]
+    a, b, rms = calibrate.robust_line(xs, [2e-3 + x / 5e8 for x in xs])
     assert a == pytest.approx(2e-3) and b == pytest.approx(1 / 5e8) and rms == pytest.approx(0, abs=1e-12)
-    ys = [2e-3 + x / 5e8 + e for x, e in zip(xs, [3e-4, -2e-4, 4e-4, -1e-4], strict=True)]
-    a, b, rms = calibrate.fit_line(xs, ys)
-    slope, intercept = np.polyfit(xs, ys, 1)
-    assert (a, b) == pytest.approx((intercept, slope))
-    assert rms == pytest.approx(np.sqrt(np.mean((np.array(ys) - intercept - slope * np.array(xs)) ** 2)))
+    # one size measured wrong (here the largest, as fast as the smallest): least squares flattens the line past
+    # zero; the median of the pairs' slopes, 6 of them exact out of 10, does not move
+    ys = [2e-3 + x / 5e8 for x in xs[:4]] + [2e-3]
+    slope, _ = np.polyfit(xs, ys, 1)
+    a, b, rms = calibrate.robust_line(xs, ys)
+    assert b == pytest.approx(1 / 5e8) and slope < 0.5 / 5e8
+    assert rms == pytest.approx(np.sqrt(np.mean((np.array(ys) - a - b * np.array(xs)) ** 2)))
     with pytest.raises(ValueError, match="two or more distinct x"):
-        calibrate.fit_line([1.0, 1.0], [1.0, 2.0])
+        calibrate.robust_line([1.0, 1.0], [1.0, 2.0])
 
 
 def test_a_real_calibration_fits_its_own_measurements_and_round_trips_through_json(tmp_path):
-    profile = calibrate.calibrate("tiny", (2,), repeats=2)
+    """Issue 41: measured beside a classmate's busy kernel (one spinning process at normal priority), the profile
+    still fits every collective, records how much of the ranks' time the neighbour took, and its compute rate
+    (on the rank's clock) stays near a quiet calibration's taken in the same test."""
+    quiet = calibrate.calibrate("tiny", (2,), repeats=2)
+    with busy_neighbours(1, nice=0):
+        profile = calibrate.calibrate("tiny", (2,), repeats=2)
     assert profile["compute_flops_per_s"] > 0 and 0 < profile["core_share"]["2"]
+    assert profile["compute_flops_per_s"] == pytest.approx(quiet["compute_flops_per_s"], rel=0.35)
     machine = profile["machine"]
+    assert machine["noise"]["run_delay_share"]["2"] > quiet["machine"]["noise"]["run_delay_share"]["2"]
+    assert set(machine["noise"]["compute_spread"]) == {"1", "2"}
     assert (
         machine["repeats"] == 2 and len(machine["load_average_before"]) == len(machine["load_average"]) == 3
     )
@@ -45,12 +56,16 @@ def test_a_real_calibration_fits_its_own_measurements_and_round_trips_through_js
         wire, seconds = np.array(fit["points"], dtype=float).T
         assert len(wire) == len(calibrate.PAYLOAD_BYTES)
         assert list(wire) == [budget.collective_wire_bytes(kind, p, 2) for p in calibrate.PAYLOAD_BYTES]
-        slope, intercept = np.polyfit(wire, seconds, 1)  # the stored line is the least-squares one
+        intercept, slope, _ = calibrate.robust_line(list(wire), list(seconds))  # the stored line: Theil-Sen's
         assert fit["latency_s"] == pytest.approx(intercept, rel=1e-6, abs=1e-9)
         assert fit["gbytes"] == pytest.approx(1 / slope / 1e9, rel=1e-6)
+        k = len(wire)
+        pairwise = [
+            (seconds[j] - seconds[i]) / (wire[j] - wire[i]) for i in range(k) for j in range(i + 1, k)
+        ]
+        assert slope == pytest.approx(float(np.median(pairwise)), rel=1e-9)  # the median of the pairs' slopes
         residuals = seconds - (fit["latency_s"] + wire / (fit["gbytes"] * 1e9))
         assert fit["residual_s"] == pytest.approx(np.sqrt(np.mean(residuals**2)), rel=1e-6, abs=1e-12)
-        assert np.all(np.abs(residuals) <= 2 * fit["residual_s"] + 1e-12)  # 4 points: none beyond 2 rms
     path = tmp_path / "machine.json"
     path.write_text(json.dumps(profile))
     loaded = budget.load_machine_profile(str(path))

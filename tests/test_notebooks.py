@@ -17,6 +17,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import verdict_checker
 
 from labkit import KERNEL_NAME, budget
 
@@ -164,16 +165,11 @@ def test_03_scale_model_is_budgets(executed):
     big = budget.plan(30e9, 256, "zero3", tokens_per_rank=16384, link_gbytes=50, peak_tflops=989, mfu=0.4)
     assert f"{budget.format_bytes(big['traffic_bytes_per_rank'])}" in text
     assert f"{big['comm_time_s']:.2f} s" in text and f"{big['compute_time_s']:.2f} s" in text
-    # rank 0's computing time (waits cut out) and its waits make up its own step, with prefetch and without (the
-    # slowest rank's step is longer by however late the other rank ran: not rank 0's to account for)
-    runs = re.findall(
-        r"prefetch (off|on) ?: step \d+ ms \(the slowest rank's; rank 0's (\d+) ms\), exposed comm on rank 0 (\d+) ms",
-        text,
-    )
-    busy = re.search(r"rank 0 computing, waits cut out: (\d+) ms without prefetch, (\d+) ms with", text)
-    assert len(runs) == 2 and busy, text
-    for (_, step_ms, exposed_ms), busy_ms in zip(runs, busy.groups(), strict=True):
-        assert int(busy_ms) + int(exposed_ms) == pytest.approx(int(step_ms), rel=0.1), (runs, busy.groups())
+    # Issue 41: every timing verdict holds against the figures printed with it (medians and IQRs over the
+    # interleaved rounds), and rank 0's computing time (waits cut out) and its waits make up its own step in each
+    # step drawn (the slowest rank's step is longer by however late the other rank ran: not rank 0's to account for).
+    checked = verdict_checker.check(text)
+    assert sorted(checked) == ["busy", "drawn", "drawn", "floor", "prefetch"], (checked, text)
     # Issue 28: with prefetch the learner predicts the floor, the collectives with nothing beside them, which
     # labkit computes from the unit plan; the formula they can write (those bytes / the link) equals it, and
     # the measured exposed time is then set against it. Under papermill nobody predicted: no mistake is named.
@@ -188,7 +184,6 @@ def test_03_scale_model_is_budgets(executed):
     units = {u.name: u for u in scratch.unit_costs(build_model("tiny"), RunConfig(world_size=2), 2)}
     exposed = sum(units[u].gather_wire_bytes + units[u].reduce_wire_bytes for u in ("input", "blocks.0"))
     assert int(formula.group(1).replace(",", "")) == exposed
-    assert re.search(r"measured with prefetch: \S+ ms exposed, \S+x this floor", text)
     assert "No prediction entered" in text and "The usual mistake" not in text
 
 
@@ -323,6 +318,8 @@ def test_07_state_prediction_step_scalars_and_the_parity_verdict(executed):
     assert re.search(
         r"^matched: the same .* \(median of 4 interleaved pairs; the pairs run from \S+x to \S+x", text, re.M
     )
+    # Issue 41: each of the four contests names a winner only beyond both runs' spreads and the margin.
+    assert verdict_checker.check(text).count("contest") == 4, text
     # DeepSpeed at its defaults leaves tiny unsharded; at threshold 0 it gathers what FSDP2 without resharding does.
     assert "so at its defaults DeepSpeed shards none of them" in text
     assert "the same bytes, both keeping the gathered weights from forward to backward" in text
@@ -349,6 +346,7 @@ def test_08_crossover_scale_and_the_production_surface(executed):
     measured, closed = (int(crossover.group(i).replace(",", "")) for i in (1, 2))
     assert float(crossover.group(3)) == pytest.approx(measured / closed, abs=0.006)
     assert 0.75 <= measured / closed <= 1.25, text  # the issue's acceptance: within 25% of the closed form
+    assert sorted(verdict_checker.check(text)) == ["crossover", "rate"], text  # issue 41: verdicts hold
     useful = budget.largest_useful_world_size(30e9, 4e6, link_gbytes=50, peak_tflops=989, mfu=0.4)
     assert f"computed {useful['world_size']} ranks" in text
     assert re.search(r"^off .* no$", text, re.M) and re.search(
@@ -363,6 +361,28 @@ def test_08_crossover_scale_and_the_production_surface(executed):
     ds = re.findall(r"^([01])\s+(False|True)\s+[\d,]+\s+([\d,]+)$", text, re.M)
     assert [int(rs.replace(",", "")) for _, _, rs in ds] == [once, once], ds  # DeepSpeed: every micro-step
     assert "two process groups" in text and "weights equal to the usual build to 0" in text
+
+
+def test_03_beside_a_normal_priority_neighbour_completes_and_every_verdict_holds_or_says_it_cannot(tmp_path):
+    """Issue 41: a classmate's busy kernel at the same priority beside the lab (the suite's other notebook runs have
+    two at nice 19): 03 completes under papermill, and each timing verdict holds against its printed figures
+    or says this machine was too busy to resolve it."""
+    import papermill as pm
+
+    from labkit.neighbours import busy_neighbours
+
+    out = tmp_path / "03.ipynb"
+    with busy_neighbours(1, nice=0):
+        pm.execute_notebook(
+            str(NOTEBOOKS / "03_prefetch_overlap.ipynb"),
+            str(out),
+            kernel_name=KERNEL_NAME,
+            cwd=str(NOTEBOOKS),
+            progress_bar=False,
+            execution_timeout=420,
+        )
+    text = _text(nbformat.read(out, as_version=4))
+    assert sorted(verdict_checker.check(text)) == ["busy", "drawn", "drawn", "floor", "prefetch"], text
 
 
 def test_deterministic_budget_cells_reproduce_under_nbval(executed, tmp_path):

@@ -6,6 +6,7 @@ Synthetic timings only (no ranks): the matched runs themselves are tested in tes
 import pytest
 
 from labkit.lessons import parity
+from labkit.measured import Measured
 
 
 def _verdict(ratios: list[float]) -> parity.ParityVerdict:
@@ -53,7 +54,17 @@ def test_pairs_alternate_which_engine_runs_first():
     assert parity.interleaved(3) == [parity.FSDP2_BLOCKS, m, d, d, m, m, d]
 
 
-def test_one_run_each_is_ranked_only_beyond_the_margin():
-    assert parity.faster({"fsdp2": 0.30, "deepspeed": 0.375}) == "fsdp2"
-    assert parity.faster({"fsdp2": 0.317, "deepspeed, its defaults": 0.231}) == "deepspeed, its defaults"
-    assert parity.faster({"fsdp2": 0.30, "deepspeed": 0.32}) is None  # 7% apart: even
+def test_one_run_each_is_ranked_only_beyond_the_margin_and_both_spreads():
+    def steps(*s):
+        return Measured.of(s)
+
+    assert parity.faster({"fsdp2": steps(0.29, 0.30, 0.31), "deepspeed": steps(0.37, 0.375, 0.38)}) == "fsdp2"
+    assert (
+        parity.faster({"fsdp2": steps(0.317, 0.32), "deepspeed, its defaults": steps(0.231, 0.24)})
+        == "deepspeed, its defaults"
+    )
+    assert parity.faster({"fsdp2": steps(0.30, 0.30), "deepspeed": steps(0.32, 0.32)}) is None  # 7%: even
+    # 25% apart at the medians, but a step of each overlaps the other's: this run cannot tell them apart
+    assert parity.faster({"fsdp2": steps(0.20, 0.30, 0.45), "deepspeed": steps(0.30, 0.375, 0.40)}) is None
+    record = {"step_time_s": [0.9, 0.30, 0.32]}
+    assert parity.steps_measured(record).values == (0.30, 0.32)  # step 0 warms up

@@ -335,21 +335,24 @@ def test_on_cpu_the_span_edge_sync_does_nothing_and_on_cuda_it_waits_for_the_str
 
 
 class _Counted:
-    """A span-edge hook that counts its calls and records the clock when it ran (the timestamps follow it)."""
+    """A span-edge hook that counts its calls and records `clock` when it ran (the timestamps follow it)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
         self.times: list[float] = []
 
     def __call__(self) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(self.clock())
 
 
 def test_every_span_edge_runs_the_sync_hook_before_its_timestamp():
     from labkit.model import build_model, loss_fn
+    from labkit.probes.clock import RankClock
     from labkit.probes.timeline import Timeline
 
-    hook = _Counted()
-    timeline = Timeline(0, sync=hook)
+    clock = RankClock()
+    hook = _Counted(clock.now)  # the timeline's clock: the rank's, not the wall's
+    timeline = Timeline(0, sync=hook, clock=clock)
     with timeline.span("compute", "forward"):
         pass
     assert len(hook.times) == 2

@@ -44,7 +44,7 @@ from labkit.engines.base import ENGINES, Engine, RankInfo, RunConfig
 from labkit.engines.registry import DEEPSPEED
 from labkit.engines.run_config import SETTINGS
 from labkit.model import batch, build_model, count_params
-from labkit.probes import Probes, state_bytes, state_bytes_by_device
+from labkit.probes import Probes, rank_clock, state_bytes, state_bytes_by_device
 
 TIMELINE_STEPS = 2  # the last steps whose events `run` keeps
 DEFAULT_TIMEOUT_S = 300.0
@@ -229,12 +229,13 @@ def comparison_device_type(cfg: RunConfig) -> str:
     return cluster.placement(cfg.world_size).device_type
 
 
-def train_rank(engine: str | EngineBuilder, cfg: RunConfig) -> dict[str, Any]:
+def train_rank(engine: str | EngineBuilder, cfg: RunConfig, peak: bool = True) -> dict[str, Any]:
     """Build `engine` on this rank, train `cfg.steps` timed steps under the probes, return what was measured.
 
     Peak memory is measured in one more step after the timed ones (step `cfg.steps`, its own batch): the
     CPU memory probe runs Python on every op (about 2x the step time of the tiny model), which must not
     enter the step times or the timeline. That step trains too; nothing of it is reported but the peak.
+    With `peak=False` (a timing that needs no memory figure) that step is not run and the peak is None.
     """
     info = rank_info()
     cfg = options_for(engine, cfg)  # each engine sees the options it honours; its record says which
@@ -266,9 +267,11 @@ def train_rank(engine: str | EngineBuilder, cfg: RunConfig) -> dict[str, Any]:
         state = state_bytes(eng.state_tensors())
         state_by_device = state_bytes_by_device(eng.state_tensors())
         swapped = eng.swap_file_bytes() if hasattr(eng, "swap_file_bytes") else {}  # deepspeed's NVMe files
-        probes.memory.start(t for ts in eng.state_tensors().values() for t in ts)
-        timed_step(eng, cfg.steps, batch_on(cfg.steps), probes)
-        peak_mem_bytes = probes.memory.stop()
+        peak_mem_bytes = None
+        if peak:
+            probes.memory.start(t for ts in eng.state_tensors().values() for t in ts)
+            timed_step(eng, cfg.steps, batch_on(cfg.steps), probes)
+            peak_mem_bytes = probes.memory.stop()
     last = cfg.steps - 1
     return {
         "rank": info.rank,
@@ -294,15 +297,16 @@ def timed_step(
 ) -> tuple[torch.Tensor, float]:
     """One training step on `data` (tokens, targets): (this rank's loss, detached float32; seconds it took).
 
-    The clock covers forward, backward and the optimizer (and, on GPU, the wait for the device), not
+    The clock (the rank's, `labkit.probes.clock`) covers forward, backward and the optimizer (and, on GPU, the wait for the device), not
     making the batch nor reading the loss. With `probes` (installed by the caller) the step's events and
     collectives are tagged with `step`; without, the same work runs bare (the benchmark of the probes'
     own cost compares the two).
     """
     tokens, targets = data
     span = probes.span if probes is not None else (lambda kind, name: nullcontext())
+    clock = probes.timeline.clock if probes is not None else rank_clock(tokens.device.type)
     with probes.step(step) if probes is not None else nullcontext():
-        start_s = time.perf_counter()
+        start_s = clock.now()
         with span("compute", "forward"):
             loss = eng.forward_loss(tokens, targets)
         with span("compute", "backward"):
@@ -311,7 +315,7 @@ def timed_step(
             eng.optimizer_step()
         if tokens.device.type == "cuda":
             torch.cuda.synchronize(tokens.device)
-        seconds = time.perf_counter() - start_s
+        seconds = clock.now() - start_s
     return loss.detach().float().clone(), seconds
 
 

@@ -7,6 +7,7 @@
     foreign            the scratch engine on torch's own encoder layers, a model the lab did not write
     engine_inspect     FSDP1's flat parameters and the scratch engine's hook order, read on live ranks (02)
     roofline           exposed communication against tokens per rank over an emulated link (08)
+    overlap            prefetch off, on and on with no link, interleaved, and what they show (03)
     production         FSDP2's production surface: accumulation, clipping, meta init, export, resharding
     production_deepspeed  DeepSpeed's: gradient accumulation, torch.autocast, bf16 master weights
 

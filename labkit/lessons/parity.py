@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from labkit import measured
 from labkit.engines import fsdp2
 from labkit.engines.base import RankInfo, RunConfig, adamw
 from labkit.engines.ds_config import matched_to_fsdp2
@@ -74,8 +75,7 @@ def matched_runs(cfg: RunConfig) -> dict[str, tuple[Any, RunConfig]]:
 def interleaved(repeats: int) -> list[str]:
     """The order `run_parity` trains in: FSDP2 at per-block units once, then `repeats` matched pairs, each pair
     starting with the engine the previous one ended with (FSDP2, DeepSpeed, DeepSpeed, FSDP2, ...)."""
-    pair = (FSDP2_MODULES, DEEPSPEED_MATCHED)
-    return [FSDP2_BLOCKS] + [label for i in range(repeats) for label in (pair if i % 2 == 0 else pair[::-1])]
+    return [FSDP2_BLOCKS, *measured.interleaved((FSDP2_MODULES, DEEPSPEED_MATCHED), repeats)]
 
 
 def run_parity(cfg: RunConfig, repeats: int = 4, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -196,15 +196,23 @@ def decide(
     return ParityVerdict(tuple(d / f for f, d in zip(fsdp2_step_s, deepspeed_step_s, strict=True)), margin)
 
 
-def faster(step_s: dict[str, float], margin: float = PARITY_MARGIN) -> str | None:
-    """Of two runs, {label: step s}, the one whose step is shorter by more than `margin`; None when neither is
-    (one run each: a pair within the margin is even, not a ranking)."""
+def faster(step_s: dict[str, measured.Measured], margin: float = PARITY_MARGIN) -> str | None:
+    """Of two runs, {label: its steps' seconds}, the one whose step is shorter beyond both spreads (the
+    interquartile ranges do not overlap, `measured.compare`) and by more than `margin` at the medians; None
+    when neither is (even, or this run cannot tell them apart)."""
     (a, a_s), (b, b_s) = step_s.items()
-    if a_s * (1 + margin) < b_s:
+    order = measured.compare(a_s, b_s)
+    if order < 0 and a_s.median * (1 + margin) < b_s.median:
         return a
-    if b_s * (1 + margin) < a_s:
+    if order > 0 and b_s.median * (1 + margin) < a_s.median:
         return b
     return None
+
+
+def steps_measured(record: dict[str, Any]) -> measured.Measured:
+    """A record's step times after step 0 (the warm-up) as one `Measured` (seconds; the slowest rank's)."""
+    times = record["step_time_s"]
+    return measured.Measured.of(times[1:] if len(times) > 1 else times)
 
 
 def parity_verdict(result: dict[str, Any], margin: float = PARITY_MARGIN) -> ParityVerdict:

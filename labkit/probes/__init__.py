@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
+from labkit.probes.clock import RankClock, rank_clock
 from labkit.probes.comm import CollectiveCall, CommProbe, EmulatedLink
 from labkit.probes.memory import PeakMemory, state_bytes, state_bytes_by_device
 from labkit.probes.timeline import Timeline, comm_s, device_sync, exposed_comm_s
@@ -30,6 +31,8 @@ __all__ = [
     "CollectiveCall",
     "EmulatedLink",
     "PeakMemory",
+    "RankClock",
+    "rank_clock",
     "Timeline",
     "comm_s",
     "exposed_comm_s",
@@ -48,7 +51,7 @@ class Probes:
         link_gbytes: float | None = None,
         nodes: Sequence[int] | None = None,
     ):
-        self.timeline = Timeline(rank, sync=device_sync(device))
+        self.timeline = Timeline(rank, sync=device_sync(device), clock=rank_clock(device.type))
         self.comm = CommProbe(self.timeline, link_gbytes, nodes)  # nodes[r]: rank r's node
         self.memory = PeakMemory(device)
 

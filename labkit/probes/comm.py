@@ -40,7 +40,8 @@ enqueue, so the future's callback would say nothing).
 
 The emulated link (`link_gbytes=X`, GB/s, 1 GB = 1e9 B) makes each collective last at least
 wire_bytes / X on a per-rank FIFO link: issued at t, it starts at max(t, link busy until) and completes
-wire_bytes / X later. A synchronous call sleeps until then after the real op; an async one returns at once
+wire_bytes / X later, on the rank's clock (`labkit.probes.clock`, which the timeline's compute spans use too:
+a neighbour that takes the core from the compute does not shorten the link beside it). A synchronous call sleeps until then after the real op; an async one returns at once
 and the remaining delay sits in its `Work.wait()` (and in its future), so a collective issued early is
 hidden behind compute, as on a real link.
 """
@@ -63,6 +64,7 @@ from torch.utils._pytree import tree_leaves
 from labkit.budget import collective_wire_bytes
 from labkit.collectives import COLLECTIVES, COUNTED, Patch
 from labkit.probes import memory
+from labkit.probes.clock import RankClock, rank_clock
 from labkit.probes.timeline import Timeline
 
 
@@ -94,11 +96,14 @@ class CollectiveCall:
 
 
 class EmulatedLink:
-    """A per-rank FIFO link of `gbytes` GB/s (1 GB = 1e9 B). Times are `time.perf_counter()` seconds."""
+    """A per-rank FIFO link of `gbytes` GB/s (1 GB = 1e9 B). Times are seconds of `clock`, the rank's clock
+    (`labkit.probes.clock`) by default: a transfer lasts its bytes / bandwidth on the clock its compute is
+    timed with, so a neighbour that slows the compute does not make the link look faster beside it."""
 
-    def __init__(self, gbytes: float):
+    def __init__(self, gbytes: float, clock: RankClock | None = None):
         if not gbytes > 0:
             raise ValueError(f"link_gbytes={gbytes!r}: pass a bandwidth above 0 GB/s, e.g. link_gbytes=1.0")
+        self.clock = clock if clock is not None else rank_clock()
         self.bytes_per_s = gbytes * 1e9
         self.busy_until_s = 0.0
         self._lock = threading.Lock()
@@ -135,7 +140,7 @@ class CommProbe:
 
     def emulate_link(self, link_gbytes: float | None) -> None:
         """Switch the emulated link on at `link_gbytes` GB/s, or off with None."""
-        self.link = None if link_gbytes is None else EmulatedLink(link_gbytes)
+        self.link = None if link_gbytes is None else EmulatedLink(link_gbytes, self.timeline.clock)
 
     def install(self) -> None:
         """Wrap the collectives it charges (`labkit.collectives.COUNTED`), over whatever wraps them now."""
@@ -199,9 +204,9 @@ class CommProbe:
             returned_s = self.timeline.now()
             if self.link:
                 done_s = self.link.schedule(issue_s, call.wire_bytes)
-                _sleep_until(done_s)
+                self.link.clock.sleep_until(done_s)
                 self.link.hold_until(returned_s)
-            end_s = time.perf_counter()
+            end_s = self.timeline.clock.now()
             self.timeline.add_abs("comm", kind, issue_s, end_s)
             self.timeline.add_abs("wait", kind, issue_s, end_s)
             _settle(buffers)
@@ -259,7 +264,7 @@ class _CommEvent:
         self.timeline.add_abs("comm", self.kind, self.issue_s, max(real_done_s, self.link_done_s or 0.0))
 
     def on_done(self, _future) -> None:
-        self.record(time.perf_counter())
+        self.record(self.timeline.clock.now())
 
 
 class _ProbedWork(distributed_c10d.Work):
@@ -315,7 +320,7 @@ class _ProbedWork(distributed_c10d.Work):
             _settle(self._buffers)
         self._buffers = []
         if self._link_done_s is not None:
-            _sleep_until(self._link_done_s)
+            timeline.clock.sleep_until(self._link_done_s)
         end_s = timeline.now()
         self._event.record(end_s)
         timeline.add_abs("wait", self._event.kind, start_s, end_s)
@@ -328,10 +333,10 @@ class _ProbedWork(distributed_c10d.Work):
             )
         if self._future is None or self._link_done_s is None:
             return self._inner.get_future()
-        link_done_s = self._link_done_s
+        link_done_s, clock = self._link_done_s, self._event.timeline.clock
 
         def after_link(fut: torch.futures.Future):
-            _sleep_until(link_done_s)
+            clock.sleep_until(link_done_s)
             return fut.value()
 
         return self._future.then(after_link)
@@ -339,7 +344,7 @@ class _ProbedWork(distributed_c10d.Work):
     def is_completed(self) -> bool:
         if self._inner is _RELEASED:
             return True
-        link_done = self._link_done_s is None or time.perf_counter() >= self._link_done_s
+        link_done = self._link_done_s is None or self._event.timeline.clock.now() >= self._link_done_s
         return self._inner.is_completed() and link_done
 
 
@@ -426,9 +431,3 @@ def _sent_bytes_per_peer(name: str, arguments: dict, payload: int, size: int) ->
 def _coalescing(group) -> bool:
     """True inside `distributed_c10d._coalescing_manager`, where calls are queued, not run."""
     return (group or dist.group.WORLD) in distributed_c10d._world.pg_coalesce_state
-
-
-def _sleep_until(t_s: float) -> None:
-    remaining_s = t_s - time.perf_counter()
-    if remaining_s > 0:
-        time.sleep(remaining_s)

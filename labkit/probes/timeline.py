@@ -13,6 +13,10 @@ Exposed communication is the total "wait" time (`exposed_comm_s`). `compute_segm
 events into what it was busy with, unit by unit: the spans minus the waits, and the root's own compute
 (embeddings, head, loss: what is left of a phase outside the blocks) as "root.forward" / "root.backward".
 
+Times are the rank's clock (`labkit.probes.clock`): on CPU ranks with a core each, wall time less the
+moments the rank's thread waited for a core, so a neighbour's load does not stretch a span; elsewhere the
+wall clock.
+
 On CUDA the host runs ahead of the device: a kernel or an NCCL collective returns once queued, so host
 timestamps alone would make compute spans measure launches and waits about 0. Every edge a timeline
 records (`Timeline.now`: spans, block hooks, and the comm probe's issue, return and wait) first runs
@@ -25,13 +29,14 @@ compute, as gloo's thread does on CPU. On CPU `sync` does nothing.
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from labkit.probes.clock import RankClock, rank_clock
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -51,14 +56,16 @@ class Timeline:
     """Events of one rank. `step` tags new events with the loop's current step (None outside a step).
 
     `sync` runs before every timestamp the timeline takes (`now`): `device_sync(device)` for the rank's
-    device; the default, for CPU, does nothing.
+    device; the default, for CPU, does nothing. `clock` times the edges (default: a CPU rank's clock made
+    on this thread, `labkit.probes.clock.rank_clock`).
     """
 
-    def __init__(self, rank: int, sync: Callable[[], None] = _no_sync):
+    def __init__(self, rank: int, sync: Callable[[], None] = _no_sync, clock: RankClock | None = None):
         self.rank = rank
         self.sync = sync
         self.syncs = sync is not _no_sync  # a device whose work completes after the host returns
-        self.t0_s = time.perf_counter()
+        self.clock = clock if clock is not None else rank_clock()
+        self.t0_s = self.clock.now()
         self.step: int | None = None
         self.events: list[dict] = []
         self._lock = threading.Lock()
@@ -67,15 +74,15 @@ class Timeline:
 
     def reset_clock(self) -> None:
         """Make now time zero (events already recorded keep their times)."""
-        self.t0_s = time.perf_counter()
+        self.t0_s = self.clock.now()
 
     def now(self) -> float:
-        """`time.perf_counter()` seconds once the device has caught up (`sync`): the time of an edge."""
+        """The clock's seconds once the device has caught up (`sync`): the time of an edge."""
         self.sync()
-        return time.perf_counter()
+        return self.clock.now()
 
     def add_abs(self, kind: str, name: str, start_abs_s: float, end_abs_s: float) -> None:
-        """Record an event given in `time.perf_counter()` seconds (thread-safe: comm completes elsewhere)."""
+        """Record an event given in the clock's seconds (thread-safe: comm completes elsewhere)."""
         event = {
             "rank": self.rank,
             "kind": kind,
