@@ -1,6 +1,7 @@
 # labkit: `make lab` sets everything up and starts JupyterLab on notebooks/; `make test` sets up and tests.
 # The set-up runs once: a stamp in the venv remembers it until requirements.txt, pyproject.toml or binder/apt.txt change.
 # `make test` also installs the test suite's Debian packages (tests/apt.txt: Chromium) before it runs pytest.
+# `make test-fast` runs the tests that start no process (ranks, kernels, browsers): the lane for daily work.
 #   make lab PORT=8899 ARGS="--no-browser"    make test PYTEST_ARGS="-x tests/test_setup.py"
 
 PYTHON      ?= $(shell command -v python3.11 || command -v python3)
@@ -19,7 +20,7 @@ TORCH  := $(shell sed -n 's/^\(torch==[^ ;#]*\).*/\1/p' requirements.txt)
 # Jupyter refuses to start as root unless told; containers and CI machines often run as root.
 ROOT   := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test bench lint setup prebuild doctor clean
+.PHONY: lab test test-fast bench lint setup prebuild doctor clean
 
 lab: setup
 	$(VENV)/bin/jupyter lab --notebook-dir notebooks --port $(PORT) $(ROOT) $(ARGS)
@@ -27,6 +28,10 @@ lab: setup
 test: tests/apt.txt setup
 	scripts/install-debian-packages binder/apt.txt tests/apt.txt
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast lane: every test not marked `slow` (tests/conftest.py says which are).
+test-fast: tests/apt.txt setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # Side-by-side engine benchmarks (not part of the test suite): medians and ratios into benchmarks/results.md.
 bench: benchmarks/run_all.py setup

@@ -1,9 +1,14 @@
-"""Fixtures shared by the notebook tests: ONE papermill run per course notebook per session.
+"""The fast lane's marker, and the fixture shared by the notebook tests: ONE papermill run per course notebook.
+
+`slow` marks every test of a module that starts ranks, kernels, notebooks, browsers or grading runs (SLOW_MODULES),
+every test that reads an executed notebook, and any test marked by hand: `make test-fast` (`pytest -m "not slow"`) runs the rest in a minute or two, for daily
+work; `make test` runs everything.
 
 `executed(name)` runs notebooks/<name> with papermill the first time any test asks for it (kernel `labkit`, cwd
-notebooks/, a per-notebook timeout, two busy neighbours at nice 19 beside it: `labkit.neighbours`) and returns the executed copy; tests/test_notebooks.py and tests/test_claims.py
-both read those copies, so a session that runs both executes each notebook once. The wall times are printed at the
-end of the session (and written to `notebook_times.json` in the session's temporary folder).
+notebooks/, a per-notebook timeout, two busy neighbours at nice 19 beside it: `labkit.neighbours`) and returns the
+executed copy; tests/test_notebooks.py and tests/test_claims.py both read those copies, so a session that runs both
+executes each notebook once. The wall times are printed at the end of the session (and written to
+`notebook_times.json` in the session's temporary folder).
 """
 
 from __future__ import annotations
@@ -23,7 +28,27 @@ NOTEBOOKS = ROOT / "notebooks"
 NEIGHBOURS = 2  # busy processes at nice 19 beside every notebook run (issue 41: a class shares its nodes)
 TIMEOUT_S = {"default": 420}  # per notebook, seconds (the slowest take ~2 min on a loaded 2-core laptop)
 
+# Modules whose tests start processes (ranks, kernels, notebooks, browsers, grading runs): seconds each.
+SLOW_MODULES = {
+    "test_activation_checkpointing", "test_benchmarks", "test_browser", "test_build", "test_build_deepspeed",
+    "test_build_fsdp2", "test_calibrate", "test_capstone", "test_claims", "test_cli_outputs", "test_cluster",
+    "test_compare_cli", "test_deepspeed", "test_doctor", "test_engines_single_ddp", "test_exercise08",
+    "test_fsdp1", "test_fsdp2", "test_gpu_path", "test_grading", "test_hf", "test_instructor", "test_limits",
+    "test_multinode", "test_notebooks", "test_packaging", "test_probes", "test_production", "test_real_models",
+    "test_release", "test_setup", "test_slides_browser", "test_timeline", "test_zero",
+}  # fmt: skip
+
 _times: dict[str, float] = {}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts processes; `make test-fast` leaves it out")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or "executed" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
 
 
 def _built_ops() -> dict[Path, int]:

@@ -691,6 +691,7 @@ def measured_activations(request):
     return config(request.param), dict(zip((False, True), measured, strict=True))
 
 
+@pytest.mark.slow  # starts ranks
 @pytest.mark.timeout(300)
 def test_activation_formula_predicts_the_measured_peak(measured_activations):
     """Peak minus state on the CPU probe (live storages, labkit/probes/memory.py) against the formula.
