@@ -109,8 +109,11 @@ class Reveal:
             return True
         return math.isclose(self.predicted, self.measured, rel_tol=RIGHT_WITHIN, abs_tol=1e-12)
 
+    def _q(self, value: float) -> str:
+        return format_quantity(value, self.unit)
+
     def lines(self) -> list[str]:
-        q = lambda v: format_quantity(v, self.unit)  # noqa: E731
+        q = self._q
         out = [f"{self.question}: {self.source} {q(self.measured)}{self._spread_text()}."]
         if self.predicted is None:
             out.append("No prediction entered (type one in the box above, then run this cell again).")
@@ -138,8 +141,7 @@ class Reveal:
         if self.spread is None:
             return ""
         q1, q3, n = self.spread
-        q = lambda v: format_quantity(v, self.unit)  # noqa: E731
-        return f" (the median of {n}; interquartile range {q(q1)} to {q(q3)})"
+        return f" (the median of {n}; interquartile range {self._q(q1)} to {self._q(q3)})"
 
     def _miss(self) -> str:
         ratio = self.ratio
@@ -203,8 +205,9 @@ class Prediction:
         except ValueError as e:
             print(f"(your prediction was not read: {e})")
             predicted = None
-        spread = (measured.q1, measured.q3, measured.n) if isinstance(measured, Measured) else None
+        spread = None
         if isinstance(measured, Measured):
+            spread = (measured.q1, measured.q3, measured.n) if measured.n > 1 else None
             measured = measured.median
         shown = Reveal(
             self.question,
@@ -215,7 +218,7 @@ class Prediction:
             formula_text,
             mistake,
             source,
-            spread if spread and spread[2] > 1 else None,
+            spread,
         )
         _show(shown)
         return _Shown(shown)

@@ -297,8 +297,8 @@ def timed_step(
 ) -> tuple[torch.Tensor, float]:
     """One training step on `data` (tokens, targets): (this rank's loss, detached float32; seconds it took).
 
-    The clock (the rank's, `labkit.probes.clock`) covers forward, backward and the optimizer (and, on GPU, the wait for the device), not
-    making the batch nor reading the loss. With `probes` (installed by the caller) the step's events and
+    The clock (the rank's, `labkit.probes.clock`) covers forward, backward and the optimizer (and, on GPU,
+    the wait for the device), not making the batch nor reading the loss. With `probes` (installed by the caller) the step's events and
     collectives are tagged with `step`; without, the same work runs bare (the benchmark of the probes'
     own cost compares the two).
     """

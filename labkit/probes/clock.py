@@ -84,6 +84,17 @@ class RankClock:
         self.close()
 
 
+_made = (
+    threading.local()
+)  # this thread's clocks, {(pid, wall): RankClock}: a clock reads its maker's run delay
+
+
 def rank_clock(device_type: str = "cpu", local_ranks: int | None = None) -> RankClock:
-    """The clock a rank on `device_type` times with: RANK on CPU ranks with a core each, WALL otherwise."""
-    return RankClock(wall=device_type != "cpu" or ranks_share_cores(local_ranks))
+    """The clock a rank on `device_type` times with: RANK on CPU ranks with a core each, WALL otherwise.
+    One per thread and kind, made on first use, so a step timed in a loop opens no file (keyed by process
+    too: a forked child's thread must not read its parent's run delay)."""
+    key = (os.getpid(), device_type != "cpu" or ranks_share_cores(local_ranks))
+    clocks = _made.__dict__.setdefault("clocks", {})
+    if key not in clocks:
+        clocks[key] = RankClock(wall=key[1])
+    return clocks[key]

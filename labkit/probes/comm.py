@@ -40,10 +40,10 @@ enqueue, so the future's callback would say nothing).
 
 The emulated link (`link_gbytes=X`, GB/s, 1 GB = 1e9 B) makes each collective last at least
 wire_bytes / X on a per-rank FIFO link: issued at t, it starts at max(t, link busy until) and completes
-wire_bytes / X later, on the rank's clock (`labkit.probes.clock`, which the timeline's compute spans use too:
-a neighbour that takes the core from the compute does not shorten the link beside it). A synchronous call sleeps until then after the real op; an async one returns at once
-and the remaining delay sits in its `Work.wait()` (and in its future), so a collective issued early is
-hidden behind compute, as on a real link.
+wire_bytes / X later, on the rank's clock (`labkit.probes.clock`, which the timeline's compute spans use
+too: a neighbour that takes the core from the compute does not shorten the link beside it). A synchronous
+call sleeps until then after the real op; an async one returns at once and the remaining delay sits in its
+`Work.wait()` (and in its future), so a collective issued early is hidden behind compute, as on a real link.
 """
 
 from __future__ import annotations
