@@ -212,12 +212,12 @@ PLANTED = {  # name: (step, pieces, words the sentence must contain)
     "mean instead of a sum": (
         "reduce_scatter",
         dataclasses.replace(P, after_grad=_after_grad(dist.ReduceOp.AVG)),
-        ["1/3 of single's", "mean was taken twice"],
+        ["every gradient is 0.33 x single's: the mean was taken twice"],
     ),
     "not divided by n": (
         "reduce_scatter",
         dataclasses.replace(P, after_grad=_after_grad(divide=False)),
-        ["3 x single's", "divide by n"],
+        ["every gradient is 3.00 x single's: after_grad did not divide by n", "divide that sum by n = 3"],
     ),
     "full grads kept": (
         "reduce_scatter",

@@ -16,8 +16,10 @@ from test_grading import (
     ANSWERS_ONLY,
     answer_checks,
     assert_answers_only_grades_as_the_whole_run,
+    assert_check_and_grade_agree,
     grade_beside,
     lock_entry,
+    plant,
     read,
 )
 
@@ -125,12 +127,7 @@ SAYS = {
 
 def planted(mistake: str):
     """The solution with `mistake` planted into its answer cells (each edit must find its text)."""
-    nb = read(SOLUTION)
-    for cell_id, old, new in PLANTED[mistake]:
-        cell = next(c for c in nb.cells if c.id == cell_id)
-        assert old in cell.source, (mistake, cell_id, old)
-        cell.source = cell.source.replace(old, new)
-    return nb
+    return plant(SOLUTION, PLANTED[mistake])
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +229,7 @@ def test_the_memory_probe_weighs_every_full_tensor_a_unit_keeps_and_what_autogra
     import torch
 
     from labkit.buildalong.scaffold import Unit
-    from labkit.grading.checks.ex07_capstone_memory import gathered, held_bytes
+    from labkit.grading.capstone_memory import gathered, held_bytes
 
     linear = torch.nn.Linear(16, 6)
     params = list(linear.parameters())  # 96 + 6 floats, gathered; 3 ranks keep 2 rows each
@@ -262,3 +259,15 @@ def test_the_memory_probe_weighs_every_full_tensor_a_unit_keeps_and_what_autogra
     unit.gathered = torch.zeros(30)  # kept beside the unit
     unit.pending["grads"] = [torch.zeros(24), (torch.zeros(6),)]
     assert held_bytes(unit) == 4 * (30 + 24 + 6)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mistake", ["solution", "no_mean", "no_prefetch", "kept_after_forward"])
+def test_check_on_the_notebooks_model_flags_what_the_grade_marks_down(mistake):
+    """The student release's check() runs the grade's six checks on the notebook's `tiny`: a wrong gradient
+    scale, weights never freed and no prefetch each fail its line there and lose the same check's points in
+    the grade; the solution passes both."""
+    nb = read(SOLUTION) if mistake == "solution" else planted(mistake)
+    shown, graded = assert_check_and_grade_agree("ex07_capstone", nb, SAYS.get(mistake, ""))
+    failing = {e["name"] for e in shown if not e["passed"]}
+    assert failing == {e["name"] for e in graded if not e["passed"]} == LOSES.get(mistake, set()), shown

@@ -14,8 +14,10 @@ import pytest
 from test_grading import (
     answer_checks,
     assert_answers_only_grades_as_the_whole_run,
+    assert_check_and_grade_agree,
     grade_beside,
     lock_entry,
+    plant,
     read,
 )
 
@@ -35,17 +37,23 @@ PLANTED = {
         SYNC_LINE,
         "        model.set_requires_gradient_sync(i == 0)\n",
     ),  # the last backward never reduced
+    "sum_of_means": (  # the right loss returned, each micro-batch's gradient not divided by k: AdamW hides it
+        "micro_loss = loss_fn(model(tokens), targets) / k  # the micro-batches' gradients sum to the batch's\n"
+        "        micro_loss.backward()\n        total += micro_loss.item()",
+        "micro_loss = loss_fn(model(tokens), targets)\n        micro_loss.backward()\n"
+        "        total += micro_loss.item() / k",
+    ),
 }
-LOSES = {"always_sync": {SCATTERS}, "sync_first": {LOSSES}}
+LOSES = {"always_sync": {SCATTERS}, "sync_first": {LOSSES}, "sum_of_means": {LOSSES}}
+SAYS = {  # what the feedback of the check it loses names
+    "always_sync": "reduce-scatters",
+    "sync_first": "single's",
+    "sum_of_means": "every gradient is 2.00 x single's: the sum of the 2 micro-batches' mean gradients",
+}
 
 
 def planted(mistake: str):
-    nb = read(SOLUTION)
-    cell = next(c for c in nb.cells if c.id == "answer-accumulate")
-    old, new = PLANTED[mistake]
-    assert old in cell.source, mistake
-    cell.source = cell.source.replace(old, new)
-    return nb
+    return plant(SOLUTION, [("answer-accumulate", *PLANTED[mistake])])
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +103,12 @@ def test_a_shared_launch_runs_once_per_answers_and_seed_and_keeps_a_failure():
     for _ in range(2):  # every probe of the group reports the one failure, launched once
         with pytest.raises(RuntimeError, match="rank 1 died"):
             failing.result((answer, 1), dies)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mistake", ["solution", *sorted(PLANTED)])
+def test_check_flags_each_planted_mistake_the_grade_marks_down(mistake):
+    """The student release's check() (the notebook's demonstration: seed 0, 2 ranks) fails a line for each
+    mistake whose grade loses points, naming it; the solution passes both."""
+    nb = read(SOLUTION) if mistake == "solution" else planted(mistake)
+    assert_check_and_grade_agree("ex08_critical_batch", nb, SAYS.get(mistake, ""))

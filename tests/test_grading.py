@@ -1416,3 +1416,103 @@ def test_check_in_the_kernel_and_the_grade_agree_on_every_planted_submission(
         assert f": {r['score']:g}/{r['max_score']:g} (" in first, (name, first, r["checks"])
         compared += 1
     assert compared == len(BATCH_SOLUTIONS) + len(BATCH_EXERCISES) + len(RUN_HERE) - 2, compared
+
+
+# ------------------------------------------------------- planted mistakes: check() as strict as the grade
+
+
+def graded_kernel(nb) -> dict:
+    """A kernel's globals after the cells the grade runs of notebook `nb` (parameters, set-up, answers)."""
+    return _kernel(
+        [c.source for c in nb.cells if c.cell_type == "code" and exercises.role(c) in exercises.GRADED_ROLES]
+    )
+
+
+def plant(path: Path, edits: list[tuple[str, str, str]]):
+    """The notebook at `path` with each (answer cell id, text of the solution, what the mistake writes
+    instead) edit made; each edit must find its text."""
+    nb = read(path)
+    for cell_id, old, new in edits:
+        cell = next(c for c in nb.cells if c.id == cell_id)
+        assert old in cell.source, (cell_id, old)
+        cell.source = cell.source.replace(old, new)
+    return nb
+
+
+def public_and_grade(exercise_id: str, nb, seed: int = 3) -> tuple[list[dict], list[dict]]:
+    """The report entries of the student release's check() (the public checks) and of the grade's checks,
+    both probed and judged here on the graded cells of `nb`."""
+    from labkit.grading import public
+    from labkit.grading.kit import probe_all
+
+    namespace = graded_kernel(nb)
+    out = []
+    for exercise in (public.load(exercise_id, exercise_id), load(exercise_id)):
+        out.append(judge_all(exercise, probe_all(exercise, namespace, seed), seed))
+    return out[0], out[1]
+
+
+def assert_check_and_grade_agree(exercise_id: str, nb, says: str = "") -> tuple[list[dict], list[dict]]:
+    """A planted mistake (`says`: a phrase its feedback names) loses points in the grade and fails a line of
+    check(), naming it in both; the solution (`says` empty) passes both in full."""
+    shown, graded = public_and_grade(exercise_id, nb)
+    if not says:
+        assert all(e["passed"] for e in shown + graded), (shown, graded)
+        return shown, graded
+    lost = [e for e in graded if e["points"] < e["max_points"]]
+    failing = [e for e in shown if not e["passed"]]
+    assert lost and failing, (exercise_id, shown, graded)
+    assert any(says in e["feedback"] for e in lost), (says, lost)
+    assert any(says in e["feedback"] for e in failing), (says, failing)
+    return shown, graded
+
+
+SOL06 = ROOT / "solutions" / "06_hsdp.ipynb"
+SUM_NOT_MEAN = "every value is 3 times too large (a factor of the ranks: the sum where the mean is wanted"
+PLANTED_PUBLIC = {  # exercise id -> solution, {mistake: ([(answer cell id, solution's text, mistake's)], says)}
+    "ex03_reduce_scatter": (
+        SOL03,
+        {
+            "no_mean": ([("answer-flat", "return out / world_size", "return out")], SUM_NOT_MEAN),
+            "parameter_major": (
+                [
+                    (
+                        "answer-pack",
+                        "torch.cat(columns, dim=1).reshape(-1)",
+                        "torch.cat([c.flatten() for c in columns])",
+                    )
+                ],
+                "the right values in the wrong order (packed parameter by parameter",
+            ),
+            "unpadded": (  # every parameter's rows without the zero rows: the right sum, fewer elements
+                [
+                    (
+                        "answer-pack",
+                        "return torch.cat(columns, dim=1).reshape(-1)",
+                        "return torch.cat([g.flatten() for g in grads])",
+                    )
+                ],
+                "too few (pad dim 0 to a multiple of n",
+            ),
+        },
+    ),
+    "ex06_hsdp": (
+        SOL06,
+        {
+            "all_reduce_whole_gradient": (  # across groups, the whole model's gradient: 8x the bytes
+                [("answer-traffic", "model_bytes / g,", "model_bytes,")],
+                "all_reduce: 118,125,000,000 B (8 x)",
+            ),
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("exercise_id", "mistake"),
+    [(e, m) for e, (_, mistakes) in PLANTED_PUBLIC.items() for m in ["solution", *mistakes]],
+)
+def test_check_flags_every_planted_mistake_the_grade_marks_down(exercise_id, mistake):
+    solution, mistakes = PLANTED_PUBLIC[exercise_id]
+    edits, says = mistakes.get(mistake, ([], ""))
+    assert_check_and_grade_agree(exercise_id, plant(solution, edits), says)

@@ -5,13 +5,14 @@ prints one sentence: what was verified, with the measured figures, or the mistak
 a `CheckResult` and never raises at the learner (a crash in their code is reported as a sentence). The
 oracle is `single` (the same model, seed and global batch on one process, `labkit.engines.single`); the
 bytes are the comm probe's, against `labkit.budget.collective_wire_bytes` of the padded sizes.
-`run_checks` runs several (step, pieces) cases in one launch (the tests do).
+`run_checks` runs several (step, pieces) cases in one launch (the tests do). A step's check runs the checks of
+the steps it builds on first (BUILDS_ON), so a wrong `shard` is said as "fix `shard` first", not as a later
+piece's mistake. Gradients are judged before any optimizer step, against single's (`labkit.gradients`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import traceback
 import weakref
@@ -22,10 +23,11 @@ import torch.distributed as dist
 
 import labkit
 from labkit.buildalong.scaffold import Learner, Pieces, attach
-from labkit.buildalong.verdicts import CheckResult, launched, verdict
+from labkit.buildalong.verdicts import CheckResult, fix_first, launched, verdict
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
+from labkit.errors import error_text
 from labkit.model import build_model, loss_fn
 from labkit.probes import Probes, state_bytes
 from labkit.zero.sharding import shard_dim0
@@ -39,6 +41,14 @@ NEEDS = {  # the pieces each step's check runs
     "backward": ("shard", "before_forward", "after_forward", "before_backward"),
     "reduce_scatter": ("shard", "before_forward", "after_forward", "before_backward", "after_grad"),
     "adamw": ("shard", "before_forward", "after_forward", "before_backward", "after_grad", "make_optimizer"),
+}
+BUILDS_ON = {  # the earlier steps whose pieces a step's check runs: their checks run first, in the same launch
+    "shard": (),
+    "gather": (),
+    "forward": ("shard", "gather"),
+    "backward": ("shard", "gather", "forward"),
+    "reduce_scatter": ("shard", "gather", "forward", "backward"),
+    "adamw": ("shard", "gather", "forward", "backward", "reduce_scatter"),
 }
 
 
@@ -84,9 +94,13 @@ def run_checks(
     steps: int = 3,
     quiet: bool = False,
 ) -> list[CheckResult]:
-    """Several (step, pieces) checks in ONE launch, in order; each result printed unless `quiet`."""
+    """Several (step, pieces) checks in ONE launch, in order; each result printed unless `quiet`.
+
+    A step's check first runs the checks of the steps it builds on (BUILDS_ON: `gather` only when the pieces
+    hold one) with the same pieces; when one of those fails, the step says "fix `<piece>` first" with that
+    check's sentence, and the ranks skip it when the failure would derail them (a mis-sized shard)."""
     results: list[CheckResult | None] = [None] * len(cases)
-    runnable = []
+    plan: dict[tuple, tuple[str, Pieces, tuple[tuple, ...]]] = {}  # key -> (step, pieces, keys it builds on)
     for i, (step, pieces) in enumerate(cases):
         if step not in STEPS:
             raise ValueError(f"unknown build step {step!r}; choose one of {', '.join(STEPS)}")
@@ -98,22 +112,52 @@ def run_checks(
                 f"{' and '.join(missing)} not written yet (None): write "
                 f"{'it' if len(missing) == 1 else 'them'}, then run this check again",
             )
-        else:
-            runnable.append(i)
-    if runnable:
-        ranks, sentence = launched(
-            _rank_cases, world_size, [cases[i] for i in runnable], model, steps, timeout_s=TIMEOUT_S
-        )
-        for j, i in enumerate(runnable):
-            step = cases[i][0]
-            if ranks is None:
-                results[i] = CheckResult(step, False, sentence)
-            else:
-                results[i] = verdict(step, [r[j] for r in ranks], model, world_size, steps)
+            continue
+        before: list[tuple] = []
+        for earlier in (*_builds_on(step, pieces), step):
+            key = _key(earlier, pieces)
+            plan.setdefault(key, (earlier, pieces, tuple(before)))
+            before.append(key)
+    if plan:
+        keys = list(plan)
+        rank_cases = [(step, pieces, [keys.index(k) for k in after]) for step, pieces, after in plan.values()]
+        ranks, sentence = launched(_rank_cases, world_size, rank_cases, model, steps, timeout_s=TIMEOUT_S)
+        found = {
+            key: CheckResult(step, False, sentence)
+            if ranks is None
+            else verdict(step, [r[j] for r in ranks], model, world_size, steps)
+            for j, (key, (step, _, _)) in enumerate(plan.items())
+        }
+        for i, (step, pieces) in enumerate(cases):
+            if results[i] is None:
+                results[i] = _after_earlier(step, pieces, found, launch_failed=ranks is None)
     if not quiet:
         for result in results:
             print(result)
     return results
+
+
+def _builds_on(step: str, pieces: Pieces) -> list[str]:
+    """The earlier steps whose checks `step`'s check stands on, for these pieces (`gather` only if given)."""
+    return [s for s in BUILDS_ON[step] if all(getattr(pieces, name) is not None for name in NEEDS[s])]
+
+
+def _key(step: str, pieces: Pieces) -> tuple:
+    """One case per step and the pieces it and the steps it builds on run: checks that share them share a run."""
+    names = {name for s in (*_builds_on(step, pieces), step) for name in NEEDS[s]}
+    return (step, *(id(getattr(pieces, name)) if name in names else None for name in vars(pieces)))
+
+
+def _after_earlier(step: str, pieces: Pieces, found: dict, launch_failed: bool) -> CheckResult:
+    """The step's own result, or "fix `<piece>` first" with the sentence of the first earlier check that failed."""
+    own = found[_key(step, pieces)]
+    if launch_failed:
+        return own
+    for earlier in _builds_on(step, pieces):
+        result = found[_key(earlier, pieces)]
+        if not result.ok:
+            return CheckResult(step, False, fix_first(earlier, result.sentence), {"blocked_by": earlier})
+    return own
 
 
 def _one(step: str, pieces: Pieces, world_size: int, model: str, steps: int = 3) -> CheckResult:
@@ -124,14 +168,36 @@ def _one(step: str, pieces: Pieces, world_size: int, model: str, steps: int = 3)
 
 
 def _rank_cases(cases, model: str, steps: int) -> list[dict]:
-    """Rank side of `run_checks`: each case's measurements on this rank (or the error the learner's code raised)."""
-    out = []
-    for step, pieces in cases:
+    """Rank side of `run_checks`: each case's measurements on this rank (or the error the learner's code
+    raised). A case whose earlier cases failed for sure on some rank is skipped on every rank."""
+    out: list[dict] = []
+    failed: list[bool] = []
+    device = loop.rank_info().device
+    for step, pieces, after in cases:
+        if any(failed[j] for j in after):
+            out.append({"skipped": True})
+            failed.append(True)
+            continue
         try:
             out.append(_RANK[step](pieces, model, steps))
         except _LearnerError as e:
             out.append({"error": e.text, "where": e.where, "line": e.line, "held": e.held})
+        flag = torch.tensor([float(_surely_wrong(step, out[-1]))], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the check's own collective: every rank skips alike
+        failed.append(bool(flag.item()))
     return out
+
+
+def _surely_wrong(step: str, r: dict) -> bool:
+    """This rank alone sees the case fail: the learner's code raised, or a shard or gather is wrong (the
+    later steps would gather mis-sized shards, which derails the ranks' collectives)."""
+    if "error" in r:
+        return True
+    if step == "shard":
+        return not all(row.get("right") for row in r["params"])
+    if step == "gather":
+        return not all(row["equal"] for row in r["params"])
+    return False
 
 
 class _LearnerError(Exception):
@@ -140,10 +206,7 @@ class _LearnerError(Exception):
         self.where = where
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_learners(f.filename)]
         self.line = f"line {frames[-1].lineno}: {frames[-1].line}" if frames else ""
-        message = str(exc).splitlines()[0] if str(exc) else ""
-        if len(message) > 100:  # torch's shape messages: keep the head and the verdict at the end
-            message = f"{message[:50].rstrip()} ... {message[-45:].lstrip()}"
-        self.text = f"{type(exc).__name__}: {message}"
+        self.text = error_text(exc)  # torch's own words, its first whole sentence
         self.held: dict[str, int] = {}  # bytes of full weights each unit held when it was raised
         if trace:
             self.where = f"{where}, after {trace[-1][0]}({trace[-1][1]})"
@@ -183,17 +246,22 @@ def _rank_shard(pieces: Pieces, model: str, steps: int) -> dict:
         want = shard_dim0(full.float(), rank, n)
         real = max(0, min(want.shape[0], full.shape[0] - rank * want.shape[0]))
         same_shape = tuple(s.shape) == tuple(want.shape)
-        rows.append(
-            {
-                "name": name,
-                "shape": tuple(s.shape),
-                "want": tuple(want.shape),
-                "dtype": str(s.dtype),
-                "view": s.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() and s.numel() > 0,
-                "rows_equal": same_shape and torch.equal(s[:real].float(), want[:real]),
-                "padding_zero": same_shape and not s[real:].any().item(),
-            }
-        )
+        wrong = _rows_where(s[:real].float() != want[:real]) if same_shape else []
+        nonzero = [real + i for i in _rows_where(s[real:] != 0)] if same_shape else []
+        view = s.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() and s.numel() > 0
+        row = {
+            "name": name,
+            "shape": tuple(s.shape),
+            "want": tuple(want.shape),
+            "dtype": str(s.dtype),
+            "view": view,
+            "rows_equal": same_shape and not wrong,
+            "first_wrong_row": wrong[0] if wrong else None,
+            "padding_zero": same_shape and not nonzero,
+            "first_nonzero_padding": nonzero[0] if nonzero else None,
+        }
+        row["right"] = row["rows_equal"] and row["padding_zero"] and s.dtype == torch.float32 and not view
+        rows.append(row)
     return {"params": rows}
 
 
@@ -205,15 +273,25 @@ def _rank_gather(pieces: Pieces, model: str, steps: int) -> dict:
             full = p.detach().float()
             out = _learner(f"gather({name})", pieces.gather, shard_dim0(full, rank, n), full.shape[0], None)
             ok_shape = isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(full.shape)
+            wrong = _rows_where(out.float() != full) if ok_shape else []
             rows.append(
                 {
                     "name": name,
+                    "type": type(out).__name__,
                     "shape": tuple(out.shape) if isinstance(out, torch.Tensor) else None,
                     "want": tuple(full.shape),
-                    "equal": ok_shape and torch.equal(out.float(), full),
+                    "equal": ok_shape and not wrong,
+                    "first_wrong_row": wrong[0] if wrong else None,
                 }
             )
     return {"params": rows, "comm": probes.comm.summary(0)}
+
+
+def _rows_where(differs: torch.Tensor) -> list[int]:
+    """The dim-0 indices of the rows where `differs` (a boolean tensor) holds anywhere."""
+    if not differs.numel():
+        return []
+    return differs.reshape(differs.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
 
 
 def _held_bytes(unit) -> int:
@@ -272,14 +350,6 @@ def _rank_forward(pieces: Pieces, model: str, steps: int) -> dict:
     }
 
 
-def _oracle_grads(model: str, device) -> dict[str, torch.Tensor]:
-    """The gradients single computes at step 0: the full model on the global batch."""
-    oracle = loop.rank_model(model, 0, device)
-    tokens, targets = loop.rank_batch(0, model, 0, 1, 0, device)
-    loss_fn(oracle(tokens), targets).backward()
-    return {name: p.grad for name, p in oracle.named_parameters()}
-
-
 def _forward_backward(pieces: Pieces, model: str):
     info, rank, n, net = _setup(model)
     tokens, targets = loop.rank_batch(0, model, 0, n, rank, info.device)
@@ -297,52 +367,32 @@ def _forward_backward(pieces: Pieces, model: str):
 
 
 def _rank_backward(pieces: Pieces, model: str, steps: int) -> dict:
+    """Forward and backward with no after_grad: this rank's full gradients (of its slice), for the parent to
+    average over ranks and hold against single's."""
     pieces = dataclasses.replace(pieces, after_grad=None)  # the full gradients stay, to compare with single's
     info, rank, n, net, units, names, trace, comm = _forward_backward(pieces, model)
-    want = _oracle_grads(model, info.device)
-    worst, worst_name = 0.0, ""
-    for name, p in net.named_parameters():
-        if p.grad is None or p.grad.shape != want[name].shape:
-            return {"no_grad": name, "trace": trace, "comm": comm}
-        mean = p.grad.detach().clone()
-        dist.all_reduce(mean)  # the check's own collective, outside the probed step
-        err = ((mean / n - want[name]).norm() / want[name].norm().clamp_min(1e-30)).item()
-        if err > worst:
-            worst, worst_name = err, name
-    return {"grad_err": worst, "worst": worst_name, "trace": trace, "comm": comm}
+    return {"grads": _cpu_grads(net.named_parameters()), "trace": trace, "comm": comm}
 
 
 def _rank_reduce_scatter(pieces: Pieces, model: str, steps: int) -> dict:
+    """Forward and backward with the learner's after_grad: each shard's .grad (what the optimizer would
+    read), the full gradients and weights still held, and the step's collectives."""
     info, rank, n, net, units, names, trace, comm = _forward_backward(pieces, model)
-    want = _oracle_grads(model, info.device)
-    no_grad, full_grads, dots = [], 0, torch.zeros(3, dtype=torch.float64)
-    for unit in units:
-        for param, piece in zip(unit.params, unit.shards, strict=True):
-            name = names[id(param)]
-            if param.grad is not None:
-                full_grads += param.grad.numel() * param.grad.element_size()
-            expect = shard_dim0(want[name], rank, n).double()
-            if piece.grad is None or piece.grad.shape != expect.shape:
-                no_grad.append(name)
-                continue
-            g = piece.grad.double()
-            dots += torch.stack(
-                [(g * expect).sum(), (expect * expect).sum(), ((g - expect) ** 2).sum()]
-            ).cpu()
-    flags = torch.tensor([len(no_grad)], dtype=torch.float64)
-    summary = torch.cat([dots, flags]).to(info.device)
-    dist.all_reduce(summary)  # the check's own collective: the whole model's figures, every rank's rows
-    dot, norm2, err2, missing = summary.tolist()
+    pairs = [(names[id(p)], s) for unit in units for p, s in zip(unit.params, unit.shards, strict=True)]
+    full_grads = sum(p.grad.numel() * p.grad.element_size() for p in net.parameters() if p.grad is not None)
     return {
-        "no_grad": no_grad,
-        "missing": int(missing),
-        "ratio": dot / norm2 if norm2 else math.nan,
-        "grad_err": math.sqrt(err2 / norm2) if norm2 else math.nan,
+        "shard_grads": _cpu_grads(pairs),
+        "shard_shapes": {name: tuple(s.shape) for name, s in pairs},
         "full_grad_bytes": full_grads,
         "held": {u.name: _held_bytes(u) for u in units},
         "trace": trace,
         "comm": comm,
     }
+
+
+def _cpu_grads(named) -> dict[str, torch.Tensor | None]:
+    """{name: a CPU copy of its .grad, or None}: what a rank sends back to be judged."""
+    return {name: None if t.grad is None else t.grad.detach().float().cpu().clone() for name, t in named}
 
 
 def _rank_adamw(pieces: Pieces, model: str, steps: int) -> dict:

@@ -31,17 +31,18 @@ def unwritten(error: BaseException | str) -> str | None:
 
 
 def raised(where: str, error: BaseException, *libraries) -> dict[str, str]:
-    """What the learner's code raised in `where`: {"error": "Type: first line", "where", "line": " (line N:
-    source)"} for the last frame outside torch, labkit and the `libraries` (modules), or "" when none is."""
+    """What the learner's code raised in `where`: {"error": "Type: its first whole sentence", "where",
+    "line": " (line N: source)"} for the last frame outside torch, labkit and the `libraries` (modules), or ""
+    when none is."""
     import os
     import traceback
 
     import torch
 
     import labkit
+    from labkit.errors import error_text
 
     ours = tuple(os.path.dirname(m.__file__) for m in (torch, labkit, *libraries))
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(ours)]
     line = f" (line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
-    message = str(error).splitlines()[0] if str(error) else ""
-    return {"error": f"{type(error).__name__}: {message}", "where": where, "line": line}
+    return {"error": error_text(error), "where": where, "line": line}

@@ -3,11 +3,13 @@
 Parent side of `labkit.buildalong.checks`. Each step has a `_mistake_<step>` that returns the sentence naming the
 first mistake it finds (checked in the order a learner would make them), or None; then the sentence of
 what was verified, with the measured figures. Bytes are compared with `labkit.budget`'s ring formula on
-the padded sizes, exactly; losses and gradients with single's, to the engines' float32 tolerance.
+the padded sizes, exactly; losses with single's, to the engines' float32 tolerance, and gradients (before any
+optimizer step) with single's by `labkit.gradients`, which names a factor of n.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,10 +17,12 @@ from typing import Any
 
 from labkit.budget import collective_wire_bytes, padded_numel
 from labkit.buildalong.stubs import unwritten
+from labkit.engines.run_config import RunConfig
+from labkit.gradients import GRAD_ABS_TOL, GRAD_REL_TOL, grads_mismatch, mean_hint, single_grads
 from labkit.model import build_model
+from labkit.zero.sharding import shard_dim0
 
 LOSS_RTOL = 1e-4  # float32: the engines' contract with single
-GRAD_RTOL = 1e-4
 
 
 @dataclass
@@ -41,6 +45,7 @@ class ModelFacts:
     """The parent's view of the model the ranks ran: names, shapes, padded bytes, the byte formulas."""
 
     def __init__(self, name: str, n: int):
+        self.name = name
         self.n = n
         self.shapes = {k: tuple(p.shape) for k, p in build_model(name).named_parameters()}
         self.padded_bytes = {k: padded_numel(s, n) * 4 for k, s in self.shapes.items()}  # float32
@@ -78,6 +83,8 @@ def launched(
 
 def verdict(step: str, ranks: list[dict], model: str, n: int, steps: int) -> CheckResult:
     """The result of one case, from every rank's measurements (rank order)."""
+    if any("skipped" in r for r in ranks):  # run_checks says which earlier check failed instead
+        return CheckResult(step, False, "not run: an earlier check of these pieces failed", {"skipped": True})
     failed = next(((rank, r) for rank, r in enumerate(ranks) if "error" in r), None)
     if failed is not None:
         return CheckResult(step, False, error_sentence(*failed), failed[1])
@@ -114,6 +121,25 @@ def error_sentence(rank: int, r: dict) -> str:
     return f"your code raised {text} in {where} on rank {rank}{line}"
 
 
+PIECES_OF = {  # the pieces each step adds to the build: what "fix ... first" names
+    "shard": ("shard",),
+    "gather": ("gather",),
+    "forward": ("before_forward", "after_forward"),
+    "backward": ("before_backward",),
+    "reduce_scatter": ("after_grad",),
+    "adamw": ("make_optimizer",),
+}
+
+
+def fix_first(earlier: str, sentence: str) -> str:
+    """What a check says when the check of an `earlier` step, which it builds on, failed with `sentence`: fix
+    that piece first (a piece still to write is said as its own sentence)."""
+    if sentence.startswith("write this piece") or "not written yet" in sentence:
+        return sentence
+    pieces = " and ".join(f"`{name}`" for name in PIECES_OF[earlier])
+    return f"fix {pieces} first, this check runs on {'it' if len(PIECES_OF[earlier]) == 1 else 'them'}: {sentence}"
+
+
 def _tol(x: float) -> str:
     return "exactly" if x == 0 else f"to {x:.0e}"
 
@@ -144,8 +170,11 @@ def _shard_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | Non
     for i, name in enumerate(m.shapes):
         d0, k = m.rows(name)
         for rank, row in enumerate(r["params"][i] for r in ranks):
-            if "type" in row:
-                return f"shard returned a {row['type']} for {name} on rank {rank}; return a tensor"
+            if "shape" not in row:
+                return (
+                    f"shard returned a {row['type']} for {name} on rank {rank}; return a tensor of shape "
+                    f"{(k, *m.shapes[name][1:])}"
+                )
             if row["shape"][:1] != (k,):
                 got = row["shape"][0] if row["shape"] else 0
                 return (
@@ -163,12 +192,19 @@ def _shard_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | Non
                     "the optimizer updates"
                 )
             if not row["rows_equal"]:
+                i = row["first_wrong_row"]
                 return (
-                    f"rank {rank}'s rows of {name} are not rows [{rank * k}, {min(d0, (rank + 1) * k)}) of the "
-                    f"full tensor: rank r keeps rows [r*k, (r+1)*k), k = {k}"
+                    f"row {i} of rank {rank}'s shard of {name} is not row {rank * k + i} of the full tensor (its "
+                    f"rows [{rank * k}, {min(d0, (rank + 1) * k)}) should be): rank r keeps rows [r*k, (r+1)*k), "
+                    f"k = {k}"
                 )
             if not row["padding_zero"]:
-                return f"rank {rank}'s padding rows of {name} are not zero: pad with zeros, so padding never counts"
+                real = max(0, min(k, d0 - rank * k))
+                return (
+                    f"row {row['first_nonzero_padding']} of rank {rank}'s shard of {name} is not zero, but it is "
+                    f"padding ({n} x {k} rows hold {d0}: rank {rank}'s last {k - real} are padding): pad with "
+                    "zeros, so padding never counts"
+                )
             if row["view"]:
                 return (
                     f"rank {rank}'s shard of {name} is a view of the full tensor (it shares its storage): "
@@ -203,23 +239,31 @@ def _gather_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | No
             name = row["name"]
             d0, k = m.rows(name)
             if row["shape"] is None:
-                return f"gather returned no tensor for {name}: return the full tensor"
+                return (
+                    f"gather returned a {row['type']} for {name} on rank {rank}: return the full tensor, of "
+                    f"shape {row['want']}"
+                )
             if row["shape"] != row["want"]:
                 hint = (
                     f"keep the first d0 = {d0} (the rest is padding)"
                     if row["shape"][0] == k * m.n
                     else f"the full tensor has shape {row['want']}"
                 )
-                return f"gather returned {row['shape'][0]} rows of {name} on rank {rank}; {hint}"
-            if not row["equal"]:
                 return (
-                    f"the gathered {name} differs from the full tensor on rank {rank}: rank r's shard goes to "
-                    f"rows [r*k, (r+1)*k) (k = {k}), in rank order"
+                    f"gather returned {row['shape'][0]} rows of {name} on rank {rank} (shape {row['shape']}, want "
+                    f"{row['want']}); {hint}"
+                )
+            if not row["equal"]:
+                i = row["first_wrong_row"]
+                return (
+                    f"row {i} of the gathered {name} on rank {rank} is not the full tensor's row {i} (row {i % k} "
+                    f"of rank {i // k}'s shard): rank r's shard goes to rows [r*k, (r+1)*k) (k = {k}), in rank order"
                 )
     if "all_reduce" in ranks[0]["comm"]:
         return (
-            "gather used an all-reduce: it works on zero-padded buffers but sends 2(n-1)/n of the bytes, "
-            "twice an all-gather's (n-1)/n"
+            f"gather used an all-reduce ({_wire(ranks[0]['comm'], 'all_reduce'):,} B on the wire, an all-gather's "
+            f"is {m.gather_bytes:,} B): it works on zero-padded buffers but sends 2(n-1)/n of the bytes, twice "
+            "an all-gather's (n-1)/n"
         )
     if figures["wire_bytes"] != m.gather_bytes:
         return (
@@ -260,21 +304,21 @@ def _forward_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | N
         first = next(iter(held))
         return (
             f"after forward {names_of(held)} still hold{'s its' if len(held) == 1 else ' their'} full weights "
-            f"({first}: {held[first]:,} B): free them in after_forward"
+            f"({first}: {held[first]:,} B, want 0 B): free them in after_forward"
         )
     if r0["pinned"]:
         first = next(iter(r0["pinned"]))
         return (
             f"after forward autograd still holds the full weights of {names_of(r0['pinned'])} ({first}: "
-            f"{r0['pinned'][first]:,} B) in the tensors it saved for backward: replacing p.data leaves the "
+            f"{r0['pinned'][first]:,} B, want 0 B) in the tensors it saved for backward: replacing p.data leaves the "
             "gathered tensor alive there; free its storage (p.untyped_storage().resize_(0)) and gather back into it"
         )
     early = {u: o for u, o in r0["others_held"].items() if o}
     if early:
         unit, others = next(iter(early.items()))
         return (
-            f"while {unit} computed, {names_of(others)} already held full weights ({sum(others.values()):,} B): "
-            "gather each unit in its own before_forward, or the peak is the whole model"
+            f"while {unit} computed, {names_of(others)} already held full weights ({sum(others.values()):,} B, "
+            "want 0 B): gather each unit in its own before_forward, or the peak is the whole model"
         )
     if figures["wire_bytes"] != m.gather_bytes:
         return (
@@ -296,8 +340,13 @@ def _forward_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
 
 
 def _backward_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
+    want = single_gradients(m.name)
+    mean = {name: _mean_over_ranks([r["grads"].get(name) for r in ranks]) for name in want}
     return {
-        "grad_rel": max(r.get("grad_err", math.inf) for r in ranks),
+        "grad_rel": _worst_rel(mean, want),
+        "mistake": _grads_said(
+            mean, want, f"the mean of the {m.n} ranks' full gradients after backward", m.n, after_grad=False
+        ),
         "wire_bytes": _wire(ranks[0]["comm"], "all_gather"),
         "formula_bytes": 2 * m.gather_bytes,
         "trace": ranks[0]["trace"],
@@ -305,17 +354,17 @@ def _backward_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
 
 
 def _backward_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | None:
-    missing = next((r["no_grad"] for r in ranks if "no_grad" in r), None)
-    if missing:
-        return (
-            f"after backward {missing} has no gradient of its full shape: the backward needs the full weights, "
-            "gathered in before_backward"
-        )
-    if figures["grad_rel"] > GRAD_RTOL:
-        return (
-            f"the mean gradient over ranks differs from single's by relative {figures['grad_rel']:.1e} (worst: "
-            f"{ranks[0]['worst']}): backward must see the same full weights as forward"
-        )
+    for rank, r in enumerate(ranks):
+        for name, shape in m.shapes.items():
+            got = r["grads"].get(name)
+            if got is None or tuple(got.shape) != shape:
+                said = "no gradient" if got is None else f"a gradient of shape {tuple(got.shape)}"
+                return (
+                    f"after backward {name} has {said} on rank {rank}, want its full shape {shape}: the backward "
+                    "needs the full weights, gathered in before_backward"
+                )
+    if figures["mistake"]:
+        return f"{figures['mistake']}: backward must see the same full weights as forward"
     if figures["wire_bytes"] != figures["formula_bytes"]:
         return (
             f"all-gather wire bytes {figures['wire_bytes']:,} B in forward and backward, but 2 x (n-1)/n x padded "
@@ -333,60 +382,135 @@ def _backward_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
     )
 
 
+@functools.lru_cache(maxsize=4)
+def single_gradients(model: str) -> dict:
+    """single's full gradients at step 0 of `model` (seed 0, the global batch), before its optimizer runs."""
+    return single_grads(RunConfig(model=model))
+
+
+def _mean_over_ranks(grads: list):
+    """The ranks' gradients of one parameter summed and divided by n (None when a rank has none or the shapes
+    differ: the shape check says so)."""
+    if any(g is None for g in grads) or len({tuple(g.shape) for g in grads}) != 1:
+        return None
+    return sum(g.double() for g in grads) / len(grads)
+
+
+def _worst_rel(got: dict, want: dict) -> float:
+    """The largest |got - want| of any parameter relative to that parameter's largest |want| (plus the absolute
+    tolerance `grads_mismatch` allows), so that it is at most GRAD_REL_TOL exactly when they match."""
+    worst = 0.0
+    for name, w in want.items():
+        g = got.get(name)
+        if g is None or tuple(g.shape) != tuple(w.shape):
+            return math.inf
+        if w.numel():
+            err = float((g.double() - w.double()).abs().max())
+            worst = max(worst, err / (float(w.abs().max()) + GRAD_ABS_TOL / GRAD_REL_TOL))
+    return worst
+
+
+def _grads_said(got: dict, want: dict, where: str, n: int, after_grad: bool = True) -> str | None:
+    """`labkit.gradients.grads_mismatch` of `got` against `want`; when every gradient is c x want's, that
+    factor leads the sentence, and for an `after_grad` a factor of n (a sum over ranks, not divided) or 1/n
+    (the mean taken twice) says which."""
+    summed = mean_hint(
+        n,
+        "after_grad did not divide by n",
+        f"the reduce-scatter sums the {n} ranks' gradients: divide that sum by n = {n}, once",
+    )
+    twice = mean_hint(
+        1 / n, "the mean was taken twice", "ReduceOp.AVG already divides by n: sum, then divide once"
+    )
+    hinted: list[str] = []
+
+    def hint(ratio: float) -> str:
+        said = ""
+        if _proportional(got, want, ratio):
+            named = (summed(ratio) or twice(ratio)) if after_grad and n > 1 else ""
+            said = named or f"every gradient is {ratio:.2f} x single's"
+        hinted.append(said)
+        return said
+
+    text = grads_mismatch(got, want, where, hint)
+    if text and hinted and hinted[-1]:
+        return f"{hinted[-1]} ({text.removesuffix(f' ({hinted[-1]})')})"
+    return text
+
+
+def _proportional(got: dict, want: dict, c: float) -> bool:
+    """Every gradient in `got` is c x `want`'s, to the tolerance `grads_mismatch` allows."""
+    if not math.isfinite(c):
+        return False
+    for name, w in want.items():
+        g = got.get(name)
+        if g is None or tuple(g.shape) != tuple(w.shape):
+            return False
+        scaled = c * w.double()
+        if (
+            w.numel()
+            and float((g.double() - scaled).abs().max())
+            > GRAD_REL_TOL * float(scaled.abs().max()) + GRAD_ABS_TOL
+        ):
+            return False
+    return True
+
+
 # ------------------------------------------------------------------------------------------------ reduce-scatter
 
 
 def _scatter_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
-    r0 = ranks[0]
+    want = single_gradients(m.name)
+    rows = [{name: shard_dim0(w, rank, m.n) for name, w in want.items()} for rank in range(m.n)]
+    said = (
+        _grads_said(r["shard_grads"], rows[rank], f"after backward, rank {rank}'s shard grads", m.n)
+        for rank, r in enumerate(ranks)
+    )
     return {
-        "ratio": r0["ratio"],
-        "grad_rel": r0["grad_err"],
-        "wire_bytes": _wire(r0["comm"], "reduce_scatter"),
+        "grad_rel": max(_worst_rel(r["shard_grads"], rows[rank]) for rank, r in enumerate(ranks)),
+        "mistake": next((x for x in said if x), None),
+        "wire_bytes": _wire(ranks[0]["comm"], "reduce_scatter"),
         "formula_bytes": m.scatter_bytes,
-        "trace": r0["trace"],
+        "trace": ranks[0]["trace"],
     }
 
 
 def _scatter_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | None:
-    r0, n = ranks[0], m.n
-    if r0["missing"]:
-        first = next(name for r in ranks for name in r["no_grad"])
+    r0 = ranks[0]
+    for rank, r in enumerate(ranks):
+        for name, shape in r["shard_shapes"].items():
+            got = r["shard_grads"].get(name)
+            if got is None or tuple(got.shape) != shape:
+                said = "no .grad" if got is None else f"a .grad of shape {tuple(got.shape)}"
+                return (
+                    f"after backward rank {rank}'s shard of {name} has {said}, want its shard's shape {shape}: "
+                    "after_grad must set each shard's .grad to its rows of the mean gradient"
+                )
+    if figures["mistake"] and " x single's: " in figures["mistake"]:
+        return figures["mistake"]
+    if figures["mistake"]:
         return (
-            f"after backward {r0['missing']} shards have no .grad of the shard's shape (first: {first}): "
-            "after_grad must set each shard's .grad to its rows of the mean gradient"
-        )
-    if n > 1 and abs(figures["ratio"] * n - 1) < 1e-3:  # at n = 1 the mean is the sum: nothing to tell
-        return (
-            f"the shard grads are 1/{n} of single's: the mean was taken twice (ReduceOp.AVG already divides "
-            "by n: sum, then divide once)"
-        )
-    if n > 1 and abs(figures["ratio"] / n - 1) < 1e-3:
-        return (
-            f"the shard grads are {n} x single's: the reduce-scatter sums the ranks' gradients; divide by n "
-            "for the mean"
-        )
-    if not figures["grad_rel"] <= GRAD_RTOL:
-        return (
-            f"the shard grads differ from single's rows by relative {figures['grad_rel']:.1e}: rank r's .grad must "
-            "be rows [r*k, (r+1)*k) of the zero-padded full gradient, summed over ranks and divided by n"
+            f"{figures['mistake']}: rank r's .grad must be rows [r*k, (r+1)*k) of the zero-padded full gradient, "
+            "summed over ranks and divided by n"
         )
     full = max(r["full_grad_bytes"] for r in ranks)
     if full:
         return (
-            f"after backward the full gradients are still there ({full:,} B per rank): set p.grad = None once "
-            "it is reduce-scattered"
+            f"after backward the full gradients are still there ({full:,} B per rank, want 0 B): set p.grad = None "
+            "once it is reduce-scattered"
         )
     held = {u: b for u, b in r0["held"].items() if b}
     if held:
         first = next(iter(held))
         return (
-            f"after backward {names_of(held)} still hold full weights ({first}: {held[first]:,} B): free them "
-            "in after_grad"
+            f"after backward {names_of(held)} still hold full weights ({first}: {held[first]:,} B, want 0 B): free "
+            "them in after_grad"
         )
     if "all_reduce" in r0["comm"] and not figures["wire_bytes"]:
         return (
-            "after_grad used an all-reduce: every rank receives the whole gradient (2(n-1)/n of its bytes) to "
-            "keep 1/n of it; a reduce-scatter sends half"
+            f"after_grad used an all-reduce ({_wire(r0['comm'], 'all_reduce'):,} B on the wire, a reduce-scatter's "
+            f"is {m.scatter_bytes:,} B): every rank receives the whole gradient (2(n-1)/n of its bytes) to keep "
+            "1/n of it; a reduce-scatter sends half"
         )
     if figures["wire_bytes"] != m.scatter_bytes:
         return (
@@ -426,8 +550,9 @@ def _adamw_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | Non
         return f"the optimizer is {r0['optimizer']}, not AdamW: single trains with torch.optim.AdamW"
     if r0["not_shards"]:
         return (
-            f"the optimizer updates {r0['not_shards']} tensors that are not this rank's shards: give it `shards` "
-            "themselves (the tensors after_grad fills), or the weights the units gather never change"
+            f"the optimizer updates {r0['not_shards']} tensors that are not this rank's shards ({r0['n_held']} "
+            f"tensors, want exactly its {r0['n_shards']} shards): give it `shards` themselves (the tensors "
+            "after_grad fills), or the weights the units gather never change"
         )
     want = r0["want_hyper"]
     differ = [k for k, v in r0["hyper"].items() if _plain(v) != _plain(want[k])]
@@ -438,7 +563,11 @@ def _adamw_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | Non
         return f"AdamW's {got} {verb} not the lab's {lab}: take them from RunConfig, as single does"
     if not figures["loss_rel"] <= LOSS_RTOL:
         at = max(range(len(r0["losses"])), key=lambda i: abs(r0["losses"][i] - r0["oracle"][i]))
-        return f"the loss differs from single's by relative {figures['loss_rel']:.1e} (worst at step {at})"
+        return (
+            f"the loss at step {at} is {r0['losses'][at]:.6f}, single's {r0['oracle'][at]:.6f} (relative "
+            f"{figures['loss_rel']:.1e}, float32 allows {LOSS_RTOL:.0e}): AdamW must update each shard with "
+            "single's settings"
+        )
     return None
 
 

@@ -4,19 +4,22 @@ They hold no reference answers and none of the grade's cases: each one tests the
 what anyone may know: torch's and DeepSpeed's own results, invariants the exercise states (a shard has
 ceil(d0/n) rows; the shard groups partition the ranks), the exercise's own example (its `parameters` cell),
 and the fact-sheet figures the course prints. Passing them is no grade: the grader's hidden cases decide it.
-A public check's probe returns its cases as [(passed, what was wrong)]; its judge only tallies them.
+A public check's probe returns its cases as [(passed, what was wrong)]; its judge only tallies them. The
+capstone's are the grade's own six (`labkit.grading.capstone`: references from `single`, formulas and sizes),
+on the notebook's model instead of a hidden one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import threading
 from collections.abc import Callable
 from unittest import mock
 
-from labkit.grading.kit import Check, Exercise, answer, tally
+from labkit.errors import error_text
+from labkit.grading import capstone
+from labkit.grading.kit import Check, Exercise, answer, tally, tensor_json, tensor_mismatch
 
 _LOCK = threading.Lock()
 DEMO_RANKS = 3  # the exercises' demonstrations run on 3 ranks
@@ -80,50 +83,85 @@ def _shard_cases(ns: dict) -> list:
     fn = answer(ns, "shard_rows")
     cases = []
     for shape, n in (((7, 4), 3), ((2, 3), 3), ((6, 2), 3)):  # the example, fewer rows than ranks, exact
-        full = torch.randn(shape)
-        shards = [fn(full.clone(), r, n) for r in range(n)]
-        rows = -(-shape[0] // n)
-        same = all(tuple(s.shape) == (rows, *shape[1:]) for s in shards)
-        whole = same and torch.equal(torch.cat(shards)[: shape[0]], full)
-        padding = same and not torch.cat(shards)[shape[0] :].any()
-        cases.append(
-            (
-                whole and padding,
-                f"shape {list(shape)} on {n} ranks: not ceil(d0/n) rows each, "
-                "the rows in rank order, then zero rows",
-            )
-        )
+        why = _shard_mistake(fn, torch.randn(shape), n)
+        cases.append((not why, f"shape {list(shape)} on {n} ranks: {why}"))
     return cases
 
 
-def _round_trip(shard_rows: Callable, gather_full: Callable, d0: int, width: int) -> bool:
+def _shard_mistake(shard_rows: Callable, full, n: int) -> str:
+    """'' when `shard_rows` cuts `full` into n shards as the exercise states (ceil(d0/n) rows each, the rows
+    in rank order, then zero rows); else the first thing that differs, with the shapes or rows."""
+    import torch
+
+    d0 = full.shape[0]
+    k = -(-d0 // n)
+    want = [k, *full.shape[1:]]
+    shards = [shard_rows(full.clone(), r, n) for r in range(n)]
+    for r, got in enumerate(shards):
+        if not isinstance(got, torch.Tensor):
+            return f"rank {r} got a {type(got).__name__}, want a tensor of shape {want}"
+        if list(got.shape) != want:
+            return (
+                f"rank {r}'s shard has shape {list(got.shape)}, want {want}: ceil({d0}/{n}) = {k} rows on every "
+                "rank, the last ones zero-padded"
+            )
+    rows = torch.cat(shards)
+    wrong = [i for i in range(d0) if not torch.equal(rows[i], full[i])]
+    if wrong:
+        i = wrong[0]
+        return (
+            f"row {i} of the full tensor is not row {i % k} of rank {i // k}'s shard (rank r keeps rows "
+            f"[r*{k}, (r+1)*{k}))"
+        )
+    padding = [i for i in range(d0, n * k) if rows[i].any()]
+    if padding:
+        i = padding[0]
+        return (
+            f"padding row {i % k} of rank {i // k}'s shard is not zero (all {n * k - d0} padding rows must be "
+            "zeros)"
+        )
+    return ""
+
+
+def _round_trip(gather_full: Callable, shards: list, d0: int, width: int) -> str:
+    """On each rank: '' when `gather_full` rebuilds arange(1, d0*width+1) from this rank's shard of it."""
     import torch
     import torch.distributed as dist
 
     full = torch.arange(1, d0 * width + 1, dtype=torch.float32).reshape(d0, width)
-    rebuilt = gather_full(shard_rows(full, dist.get_rank(), dist.get_world_size()), d0, dist.get_world_size())
-    return bool(torch.equal(rebuilt, full))
+    rebuilt = gather_full(shards[dist.get_rank()], d0, dist.get_world_size())
+    return tensor_mismatch(tensor_json(rebuilt), full) or ""
 
 
 def _gather_cases(ns: dict) -> list:
+    """The round trip shard_rows -> gather_full on DEMO_RANKS ranks; a shard_rows that the shard check faults
+    says "fix `shard_rows` first", not that gather_full is wrong."""
+    import torch
+
     import labkit
 
     shard_rows, gather_full = answer(ns, "shard_rows"), answer(ns, "gather_full")
     cases = []
     for d0 in (7, 2):
-        same = labkit.launch(
-            _round_trip, DEMO_RANKS, shard_rows, gather_full, d0, 4, timeout=LAUNCH_TIMEOUT_S
-        )
-        cases.append(
-            (all(same), f"d0={d0} on {DEMO_RANKS} ranks: gather_full(shard_rows(...)) is not the parameter")
-        )
+        full = torch.arange(1, d0 * 4 + 1, dtype=torch.float32).reshape(d0, 4)
+        where = f"d0={d0} on {DEMO_RANKS} ranks"
+        if why := _shard_mistake(shard_rows, full, DEMO_RANKS):
+            cases.append((False, f"{where}: fix `shard_rows` first ({why})"))
+            continue
+        shards = [shard_rows(full.clone(), r, DEMO_RANKS) for r in range(DEMO_RANKS)]
+        said = labkit.launch(_round_trip, DEMO_RANKS, gather_full, shards, d0, 4, timeout=LAUNCH_TIMEOUT_S)
+        wrong = [(r, why) for r, why in enumerate(said) if why]
+        call = f"gather_full(shard_rows(full), {d0}, {DEMO_RANKS})"
+        cases.append((not wrong, f"{where}: {call} on rank {wrong[0][0]}: {wrong[0][1]}" if wrong else ""))
     return cases
 
 
 # ------------------------------------------------------------------------------- ex03_reduce_scatter
 
 
-def _mean_rank(reduce_scatter_mean: Callable, numel: int) -> bool:
+def _mean_rank(reduce_scatter_mean: Callable, numel: int) -> str | None:
+    """On each rank: None when the answer's chunk is this rank's chunk of all_reduce's sum / n, else what
+    differs (shape, or values with the usual mistake named)."""
     import torch
     import torch.distributed as dist
 
@@ -133,42 +171,48 @@ def _mean_rank(reduce_scatter_mean: Callable, numel: int) -> bool:
     dist.all_reduce(mean)  # torch's own sum over ranks
     chunk = -(-numel // n)
     want = torch.cat([mean / n, mean.new_zeros(chunk * n - numel)])[rank * chunk : (rank + 1) * chunk]
-    got = reduce_scatter_mean(mine, n)
-    return tuple(got.shape) == (chunk,) and bool(torch.allclose(got, want, atol=1e-6))
+    return tensor_mismatch(tensor_json(reduce_scatter_mean(mine, n)), want, 1e-6)
 
 
 def _flat_cases(ns: dict) -> list:
     import labkit
 
-    fn = answer(ns, "reduce_scatter_mean")
-    return [
-        (
-            all(labkit.launch(_mean_rank, DEMO_RANKS, fn, numel, timeout=LAUNCH_TIMEOUT_S)),
-            f"{numel} elements on {DEMO_RANKS} ranks: not this rank's chunk of all_reduce's sum / n",
+    fn, cases = answer(ns, "reduce_scatter_mean"), []
+    for numel in (10, 9):
+        wrong = labkit.launch(_mean_rank, DEMO_RANKS, fn, numel, timeout=LAUNCH_TIMEOUT_S)
+        why = next((f"rank {r}: {w}" for r, w in enumerate(wrong) if w), "")
+        cases.append(
+            (not why, f"{numel} elements on {DEMO_RANKS} ranks, against all_reduce's sum / n: {why}")
         )
-        for numel in (10, 9)
-    ]
+    return cases
+
+
+def rank_rows(grads: list, n: int):
+    """What a reduce-scatter of the send buffer must leave each rank, rank after rank: rank r's ceil(d0/n)
+    rows of every gradient in turn (zero rows where d0 runs out), as the exercise states the layout."""
+    import torch
+
+    chunks = []
+    for r in range(n):
+        for full in grads:
+            per_rank = math.ceil(full.shape[0] / n)
+            mine = full[r * per_rank : (r + 1) * per_rank].reshape(-1)
+            chunks += [mine, mine.new_zeros(per_rank * (full.numel() // full.shape[0]) - mine.numel())]
+    return torch.cat(chunks)
 
 
 def _pack_cases(ns: dict) -> list:
-    """The send buffer holds every gradient once (its sum), padded to n equal rank rows."""
+    """The send buffer, laid out rank-major: row r of it viewed as (n, chunk) is what rank r's reduce-scatter
+    receives, its rows of every gradient (uneven, fewer rows than ranks, exact)."""
     import torch
 
-    fn = answer(ns, "pack_grads")
-    grads, n = [torch.randn(7, 2), torch.randn(5)], DEMO_RANKS
-    out = fn([g.clone() for g in grads], n)
-    numel = sum(-(-g.shape[0] // n) * n * (g.numel() // g.shape[0]) for g in grads)
-    total = sum(float(g.sum()) for g in grads)
-    return [
-        (
-            out.dim() == 1 and out.numel() == numel,
-            f"shapes (7, 2) and (5,) on 3 ranks: {out.numel()} elements, want {numel}",
-        ),
-        (
-            math.isclose(float(out.sum()), total, rel_tol=1e-5, abs_tol=1e-5),
-            "the buffer's sum is not the gradients' sum",
-        ),
-    ]
+    fn, n, cases = answer(ns, "pack_grads"), DEMO_RANKS, []
+    for shapes in (((7, 2), (5,)), ((2, 3), (6,))):
+        grads = [torch.randn(shape) for shape in shapes]
+        out = fn([g.clone() for g in grads], n)
+        why = tensor_mismatch(tensor_json(out.reshape(-1)), rank_rows(grads, n), 1e-6)
+        cases.append((why is None, f"shapes {[list(x) for x in shapes]} on {n} ranks: {why}"))
+    return cases
 
 
 # ------------------------------------------------------------------------------------ ex04_prefetch
@@ -262,12 +306,7 @@ def _config_cases(ns: dict) -> list:
             stage = int(parse(config, world_size).zero_config.stage)
             cases.append((stage == 3, f"{name}: DeepSpeed parses ZeRO stage {stage}, want 3"))
         except Exception as e:  # noqa: BLE001 (DeepSpeed raises assertion, pydantic and value errors)
-            cases.append(
-                (
-                    False,
-                    f"{name}: DeepSpeed refuses it ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
-                )
-            )
+            cases.append((False, f"{name}: DeepSpeed refuses it ({error_text(e)})"))
     return cases
 
 
@@ -297,18 +336,44 @@ def _group_cases(ns: dict) -> list:
     return cases
 
 
+def bytes_said(got: object, want: float) -> str:
+    """`got` bytes as the feedback says them: with its factor of `want` when it is a number that differs."""
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        return f"{got!r} (not a number of bytes)"
+    factor = f" ({got / want:.3g} x)" if want and not math.isclose(got, want, abs_tol=64) else ""
+    return f"{got:,.0f} B{factor}"
+
+
+def hsdp_traffic_by_collective(params: float, world_size: int, group_size: int) -> dict[str, int]:
+    """Bytes one rank sends per step per collective of HSDP, as notebook 06 prints them (labkit.budget)."""
+    from labkit import budget
+
+    by = budget.plan(params, world_size, "hsdp", group_size=group_size)["traffic_bytes_by_collective"]
+    return {
+        "all_gather": by["all_gather_forward"] + by["all_gather_backward"],
+        "reduce_scatter": by["reduce_scatter"],
+        "all_reduce": by["all_reduce"],
+    }
+
+
 def _traffic_cases(ns: dict) -> list:
+    """The notebook's case (the fact sheet's 30e9 on 512 ranks in groups of 8) against labkit.budget's
+    figures, collective by collective, and one shard group alone, which all-reduces nothing."""
     fn = answer(ns, "hsdp_traffic")
-    one_group = fn(FACT_PARAMS, FACT_GROUP, FACT_GROUP)
-    wide = fn(FACT_PARAMS, 512, FACT_GROUP)
-    return [
-        (set(wide) == {"all_gather", "reduce_scatter", "all_reduce"}, f"the collectives {sorted(wide)}"),
-        (
-            one_group.get("all_reduce") == 0,
-            "one shard group alone (world size = group size) all-reduces nothing",
-        ),
-        (all(v > 0 for v in wide.values()), "on 512 ranks in groups of 8 every collective sends bytes"),
-    ]
+    cases = []
+    for n in (512, FACT_GROUP):
+        mine = fn(FACT_PARAMS, n, FACT_GROUP)
+        for kind, want in hsdp_traffic_by_collective(FACT_PARAMS, n, FACT_GROUP).items():
+            got = mine.get(kind)
+            ok = isinstance(got, (int, float)) and math.isclose(got, want, abs_tol=64)
+            cases.append(
+                (
+                    ok,
+                    f"30e9 params, {n} ranks in groups of {FACT_GROUP}, {kind}: {bytes_said(got, want)}, "
+                    f"labkit.budget's {want:,} B",
+                )
+            )
+    return cases
 
 
 def _cross_cases(ns: dict) -> list:
@@ -335,14 +400,7 @@ def _hsdp_state_cases(ns: dict) -> list:
 # ------------------------------------------------------------------------------------ ex07_capstone
 
 
-def _build_cases(ns: dict) -> list:
-    """The build-along's own live check (labkit.buildalong.checks, notebook 02): training against `single`."""
-    from labkit.buildalong import Pieces
-    from labkit.buildalong.checks import run_checks
-
-    pieces = Pieces(**{f.name: answer(ns, f.name) for f in dataclasses.fields(Pieces)})
-    [result] = run_checks([("adamw", pieces)], world_size=DEMO_RANKS, quiet=True)
-    return [(result.ok, result.sentence)]
+NOTEBOOK_RUN = capstone.Run(model="tiny", seed=0, ranks=DEMO_RANKS, steps=3)  # the notebook's demonstration
 
 
 # ----------------------------------------------------------------------------- ex08_critical_batch
@@ -398,28 +456,43 @@ def _useful_cases(ns: dict) -> list:
 
 
 def _accumulation_cases(ns: dict) -> list:
-    """The exercise's own demonstration (seed 0, 2 ranks): one reduce-scatter per unit per optimizer step, and
-    the losses of `single` on the whole batch."""
+    """The exercise's own demonstration (seed 0, 2 ranks, 2 micro-steps): one reduce-scatter per unit per
+    optimizer step, the losses of `single` on the whole batch, and its gradient before the first AdamW step."""
     import labkit
     from labkit.engines.base import RunConfig
-    from labkit.lessons.production import run_accumulation, single_run
+    from labkit.grading import gradients
+    from labkit.lessons.production import single_run
     from labkit.model import build_model
 
-    steps = labkit.launch(
-        run_accumulation, 2, answer(ns, "accumulate_gradients"), 2, 0, timeout=LAUNCH_TIMEOUT_S
-    )[0]
+    fn, k = answer(ns, "accumulate_gradients"), ns.get("micro_steps", 2)
+    launched = labkit.launch(gradients.accumulation_rank, 2, fn, k, 0, 2, timeout=LAUNCH_TIMEOUT_S)
+    steps = launched[0]["steps"]
     units = len(build_model("tiny").blocks) + 1
-    want = single_run(RunConfig(model="tiny", world_size=2, steps=len(steps)))["losses"]
-    return [
-        (
-            row["reduce_scatter"]["calls"] == units,
-            f"step {i}: {row['reduce_scatter']['calls']} reduce-scatters, one per unit is {units}",
-        )
-        for i, row in enumerate(steps)
-    ] + [
-        (math.isclose(row["loss"], w, rel_tol=1e-5), f"step {i}: loss {row['loss']:.6f}, single's {w:.6f}")
-        for i, (row, w) in enumerate(zip(steps, want, strict=True))
-    ]
+    cfg = RunConfig(model="tiny", world_size=2, steps=len(steps))
+    want = single_run(cfg)["losses"]
+    why = gradients.grads_mismatch(
+        gradients.gathered_rows([r["grads"] for r in launched]),
+        gradients.single_grads(cfg),
+        "step 0, both ranks' rows before AdamW",
+        gradients.accumulation_hint(k),
+    )
+    return (
+        [(why is None, why or "")]
+        + [
+            (
+                row["reduce_scatter"]["calls"] == units,
+                f"step {i}: {row['reduce_scatter']['calls']} reduce-scatters, one per unit is {units}",
+            )
+            for i, row in enumerate(steps)
+        ]
+        + [
+            (
+                math.isclose(row["loss"], w, rel_tol=1e-5),
+                f"step {i}: loss {row['loss']:.6f}, single's {w:.6f}",
+            )
+            for i, (row, w) in enumerate(zip(steps, want, strict=True))
+        ]
+    )
 
 
 PUBLIC = {
@@ -435,7 +508,7 @@ PUBLIC = {
     ),
     "ex03_reduce_scatter": (
         _public("reduce_scatter_mean against torch's all_reduce", _flat_cases, ("reduce_scatter_mean",)),
-        _public("pack_grads: every gradient once, padded", _pack_cases, ("pack_grads",)),
+        _public("pack_grads: rank r's rows of every gradient in row r", _pack_cases, ("pack_grads",)),
     ),
     "ex04_prefetch": (
         _public("hook orders", _order_cases, ("forward_order", "backward_order")),
@@ -447,13 +520,11 @@ PUBLIC = {
     ),
     "ex06_hsdp": (
         _public("mesh groups", _group_cases, ("hsdp_groups",)),
-        _public("traffic: the three collectives", _traffic_cases, ("hsdp_traffic",)),
+        _public("traffic: labkit.budget's bytes per collective", _traffic_cases, ("hsdp_traffic",)),
         _public("what crosses groups", _cross_cases, ("crosses_groups",)),
         _public("state: the fact sheet's figure", _hsdp_state_cases, ("hsdp_state_bytes_per_rank",)),
     ),
-    "ex07_capstone": (
-        _public(f"training on {DEMO_RANKS} ranks matches single", _build_cases, ("shard", "gather")),
-    ),
+    "ex07_capstone": capstone.checks(lambda seed: NOTEBOOK_RUN),
     "ex08_critical_batch": (
         _public(
             "critical tokens: the fact sheet's and the formula's proportions",
@@ -464,7 +535,7 @@ PUBLIC = {
             "largest useful world size: by your own threshold", _useful_cases, ("largest_useful_world_size",)
         ),
         _public(
-            "accumulation on 2 ranks: one reduce-scatter per unit, single's losses",
+            "accumulation on 2 ranks: one reduce-scatter per unit, single's losses and gradients",
             _accumulation_cases,
             ("accumulate_gradients",),
         ),

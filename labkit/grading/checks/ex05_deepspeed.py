@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from labkit.errors import error_text
 from labkit.grading.kit import Check, Exercise, answer, rng, tally
 from labkit.grading.public import parse
 
@@ -45,8 +46,7 @@ def _parsed(configs: list, seed: int) -> list[tuple[tuple[int, int, int], object
         try:
             out.append((case, parse(config, case[0]), ""))
         except Exception as e:  # noqa: BLE001 (DeepSpeed raises assertion, pydantic and value errors)
-            complaint = " ".join(str(e).split())[:240]
-            out.append((case, None, f"{type(e).__name__}: {complaint}"))
+            out.append((case, None, error_text(e)))
     return out
 
 

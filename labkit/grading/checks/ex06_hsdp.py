@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from labkit import budget
 from labkit.grading.kit import Check, Exercise, answer, close, rng, tally
+from labkit.grading.public import bytes_said, hsdp_traffic_by_collective
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -50,15 +51,6 @@ def _groups_judge(got: list, seed: int) -> tuple[float, str]:
     return tally(cases)
 
 
-def _plan_traffic(params: float, n: int, g: int) -> dict[str, int]:
-    by = budget.plan(params, n, "hsdp", group_size=g)["traffic_bytes_by_collective"]
-    return {
-        "all_gather": by["all_gather_forward"] + by["all_gather_backward"],
-        "reduce_scatter": by["reduce_scatter"],
-        "all_reduce": by["all_reduce"],
-    }
-
-
 def _traffic_probe(ns: dict, seed: int) -> list:
     fn = answer(ns, "hsdp_traffic")
     out = []
@@ -71,13 +63,13 @@ def _traffic_probe(ns: dict, seed: int) -> list:
 def _traffic_judge(got: list, seed: int) -> tuple[float, str]:
     cases = []
     for (p, n, g), seen in zip(_cases(seed), got, strict=True):
-        for key, want in _plan_traffic(p, n, g).items():
+        for key, want in hsdp_traffic_by_collective(p, n, g).items():
             value = seen.get(key)
             # budget pads the flat buffer to a multiple of the group: a few bytes per collective at most.
             cases.append(
                 (
                     close(value, want, abs_tol=64),
-                    f"params={p:g}, n={n}, g={g}, {key}: {value:g} B, want {want:g} B",
+                    f"params={p:g}, n={n}, g={g}, {key}: {bytes_said(value, want)}, want {want:,} B",
                 )
             )
     return tally(cases)

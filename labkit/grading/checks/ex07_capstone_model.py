@@ -1,19 +1,16 @@
 """Exercise 07's hidden model: the GPT the grader trains the student's ZeRO-3 on, drawn from the seed.
 
-Its widths, depth and sequence length are uneven against `RANKS`, so every rank's shards carry padding. The
-probe trains it (`run_config`) and the judges size their references by its units (`unit_shapes`,
-`padded_elements`).
+Its widths, depth and sequence length are uneven against `RANKS`, so every rank's shards carry padding.
+`hidden_run(seed)` is the `labkit.grading.capstone.Run` the grade's checks probe and judge.
 """
 
 from __future__ import annotations
 
-import threading
-
+from labkit.grading.capstone import Run
 from labkit.grading.kit import rng
 
 RANKS = 3
 STEPS = 3
-LOCK = threading.RLock()  # held while a model is registered, and around single's reference (which registers)
 
 
 def model_config(seed: int):
@@ -33,39 +30,15 @@ def model_config(seed: int):
     )
 
 
-def register(cfg) -> str:
-    """The name under which `cfg` is a model of `labkit.model` (added if new): the loop builds models by name."""
-    from labkit import model
-
-    name = (
+def model_name(cfg) -> str:
+    """The name the hidden model `cfg` is registered under in `labkit.model` (see `capstone.Run.custom`)."""
+    return (
         f"capstone_v{cfg.vocab_size}_d{cfg.d_model}_h{cfg.n_heads}_l{cfg.n_layers}_t{cfg.seq_len}"
         f"_b{cfg.global_batch}"
     )
-    with LOCK:
-        model.CONFIGS.setdefault(name, cfg)
-    return name
 
 
-def run_config(seed: int):
-    """The run: the lab's AdamW defaults, `STEPS` steps on `RANKS` ranks, the seed's model and batches."""
-    from labkit.engines.base import RunConfig
-
-    return RunConfig(model=register(model_config(seed)), world_size=RANKS, steps=STEPS, seed=seed)
-
-
-def unit_shapes(seed: int) -> dict[str, list[tuple[tuple[int, ...], str]]]:
-    """{unit name: [(shape, parameter name)]}: the root (everything outside the blocks), then each block."""
-    from labkit.model import GPT
-    from labkit.zero.hooks import model_units
-
-    units = model_units(GPT(model_config(seed)))
-    return {unit: [(tuple(p.shape), name) for name, p in params] for unit, _, params in units}
-
-
-def padded_elements(seed: int, unit: str | None = None) -> int:
-    """Elements of the padded full parameters (of one unit, or all): what an all-gather fills."""
-    from labkit.budget import padded_numel
-
-    units = unit_shapes(seed)
-    chosen = units.values() if unit is None else [units[unit]]
-    return sum(padded_numel(shape, RANKS) for params in chosen for shape, _ in params)
+def hidden_run(seed: int) -> Run:
+    """The grade's run: the lab's AdamW defaults, `STEPS` steps on `RANKS` ranks, the seed's model and batches."""
+    cfg = model_config(seed)
+    return Run(model=model_name(cfg), seed=seed, ranks=RANKS, steps=STEPS, custom=cfg)

@@ -2,13 +2,14 @@
 
 References: `labkit.budget.closed_form_critical_tokens` (T* = (b/2)(n-1)/n R/B) and the same search over whole
 nodes; the accumulation step runs on 2 real ranks (`labkit.lessons.production.run_accumulation`) and is judged
-against `single` on the whole batch and against FSDP2's reduce-scatter formula, once per optimizer step.
+against `single` on the whole batch (its losses, and the gradient rows each rank holds when the optimizer is
+about to run: `labkit.grading.gradients`) and against FSDP2's reduce-scatter formula, once per optimizer step.
 """
 
 from __future__ import annotations
 
 from labkit.budget import closed_form_critical_tokens
-from labkit.grading import ranks
+from labkit.grading import gradients, ranks
 from labkit.grading.kit import Check, Exercise, SharedLaunch, answer, close, launch_timeout, rng, tally
 
 RANKS = 2
@@ -88,14 +89,13 @@ _shared = SharedLaunch()
 
 
 def _launch(ns: dict, seed: int) -> list[dict]:
-    """One launch of 2 ranks serves both accumulation checks (kept for the same answer and seed)."""
-    from labkit.lessons.production import run_accumulation
-
+    """One launch of 2 ranks serves both accumulation checks (kept for the same answer and seed): per rank,
+    {"steps": its rows per step, "grads": its gradient rows before the first optimizer step}."""
     fn = answer(ns, "accumulate_gradients")
     return _shared.result(
         (fn, seed),
         lambda: ranks.launch(
-            run_accumulation,
+            gradients.accumulation_rank,
             RANKS,
             fn,
             MICRO_STEPS,
@@ -111,7 +111,7 @@ def _model_seed(seed: int) -> int:
 
 
 def _scatter_probe(ns: dict, seed: int) -> list:
-    return [[step["reduce_scatter"] for step in rank] for rank in _launch(ns, seed)]
+    return [[step["reduce_scatter"] for step in rank["steps"]] for rank in _launch(ns, seed)]
 
 
 def _scatter_judge(got: list, seed: int) -> tuple[float, str]:
@@ -136,21 +136,31 @@ def _scatter_judge(got: list, seed: int) -> tuple[float, str]:
     return tally(cases)
 
 
-def _loss_probe(ns: dict, seed: int) -> list:
-    return [step["loss"] for step in _launch(ns, seed)[0]]
+def _loss_probe(ns: dict, seed: int) -> dict:
+    launched = _launch(ns, seed)
+    return {
+        "losses": [step["loss"] for step in launched[0]["steps"]],
+        "grads": [r["grads"] for r in launched],
+    }
 
 
-def _loss_judge(got: list, seed: int) -> tuple[float, str]:
+def _loss_judge(got: dict, seed: int) -> tuple[float, str]:
     from labkit.engines.base import RunConfig
     from labkit.lessons.production import single_run
 
-    want = single_run(RunConfig(model="tiny", world_size=RANKS, steps=STEPS, seed=_model_seed(seed)))[
-        "losses"
-    ]
+    cfg = RunConfig(model="tiny", world_size=RANKS, steps=STEPS, seed=_model_seed(seed))
+    want = single_run(cfg)["losses"]
     cases = [
         (close(value, w, rel_tol=REL), f"step {step}: loss {value:.6f}, single's {w:.6f} on the whole batch")
-        for step, (value, w) in enumerate(zip(got, want, strict=True))
+        for step, (value, w) in enumerate(zip(got["losses"], want, strict=True))
     ]
+    why = gradients.grads_mismatch(
+        gradients.gathered_rows(got["grads"]),
+        gradients.single_grads(cfg),
+        f"step 0, every rank's rows before AdamW (the mean over the {RANKS} ranks' batches)",
+        gradients.accumulation_hint(MICRO_STEPS),
+    )
+    cases.append((why is None, why or ""))
     return tally(cases)
 
 
@@ -182,7 +192,7 @@ EXERCISE = Exercise(
             group="ranks",
         ),
         Check(
-            "losses equal single's on the whole batch",
+            "losses and gradients (before AdamW) equal single's on the whole batch",
             3,
             _loss_probe,
             _loss_judge,

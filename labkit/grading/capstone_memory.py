@@ -1,4 +1,4 @@
-"""Exercise 07's memory checks: what makes it ZeRO-3, weighed around the student's moments on every rank.
+"""The capstone's memory checks: what makes it ZeRO-3, weighed around the student's moments on every rank.
 
 The probe side (`Watch`) weighs the full tensors each unit holds (`held_bytes`: whatever its fields reach,
 its parameters, `pending` and any attribute the student added, and the storages its parameters had when its
@@ -7,7 +7,8 @@ while the model's forward runs, and the full and sharded gradients left when its
 step the judges read, those two moments also weigh any tensor Python reaches that holds rows of the unit's
 weights that another rank keeps (a copy kept in the answers' globals). The judges compare them with what
 ZeRO-3 keeps: nothing full between a unit's forward and backward, at most the root, the block computing and
-the one prefetched during the forward, and only gradient shards after the reduce-scatter.
+the one prefetched during the forward, and only gradient shards after the reduce-scatter. The judges size
+their bounds by the `labkit.grading.capstone.Run` they are given (the grade's hidden model or the notebook's).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import dataclasses
 import functools
 import math
 import weakref
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from labkit.grading.checks.ex07_capstone_model import RANKS, padded_elements, unit_shapes
 from labkit.grading.kit import tally
+
+if TYPE_CHECKING:
+    from labkit.grading.capstone import Run
 
 # --------------------------------------------------------------------------------------------- the probe
 
@@ -51,12 +54,12 @@ def gathered(unit, rows: bool = True) -> Gathered:
     import torch
 
     blocks = []
-    for p, s in zip(unit.params, unit.shards, strict=True):
-        k = s.shape[0]
+    for param, shard in zip(unit.params, unit.shards, strict=True):
+        k = shard.shape[0]
         for r in range(unit.n):
             if r == unit.rank:
                 continue
-            rows = p.detach()[r * k : (r + 1) * k]
+            rows = param.detach()[r * k : (r + 1) * k]
             for dtype in COPY_DTYPES:
                 block = rows.to(getattr(torch, dtype))
                 if block.numel() * block.element_size() >= MIN_ROWS_BYTES and bool(block.any()):
@@ -202,25 +205,25 @@ class Watch:
 # -------------------------------------------------------------------------------------------- the judges
 
 
-def _numel(seed: int, unit: str) -> int:
+def _numel(run: Run, unit: str) -> int:
     """Elements of one unit's full parameters, unpadded: what `load` puts into them."""
-    return sum(math.prod(shape) for shape, _ in unit_shapes(seed)[unit])
+    return sum(math.prod(shape) for shape, _ in run.unit_shapes()[unit])
 
 
-def full_weight_bound(seed: int) -> int:
+def full_weight_bound(run: Run) -> int:
     """Most full-weight bytes a rank may hold while the model's forward runs: the root's padded weights
     (its forward is the whole model's), the block computing and the block whose gather is prefetched."""
-    blocks = [name for name in unit_shapes(seed) if name != "root"]
-    per_block = max(padded_elements(seed, name) for name in blocks)
-    return 4 * (padded_elements(seed, "root") + 2 * per_block)
+    blocks = [name for name in run.unit_shapes() if name != "root"]
+    per_block = max(run.padded_elements(name) for name in blocks)
+    return 4 * (run.padded_elements("root") + 2 * per_block)
 
 
-def freed_judge(got: list, seed: int) -> tuple[float, str]:
+def freed_judge(got: list, run: Run) -> tuple[float, str]:
     """Each unit holds no full weight once its after_forward returns, and the forward's peak stays within
     `full_weight_bound`."""
-    units = list(unit_shapes(seed))
-    bound = full_weight_bound(seed)
-    least = 4 * (_numel(seed, "root") + _numel(seed, "blocks.0"))
+    units = list(run.unit_shapes())
+    bound = full_weight_bound(run)
+    least = 4 * (_numel(run, "root") + _numel(run, "blocks.0"))
     cases = []
     for rank, seen in enumerate(got):
         for unit in units:
@@ -253,12 +256,12 @@ def freed_judge(got: list, seed: int) -> tuple[float, str]:
     return tally(cases)
 
 
-def sharded_grads_judge(got: list, seed: int) -> tuple[float, str]:
+def sharded_grads_judge(got: list, run: Run) -> tuple[float, str]:
     """After each unit's reduce-scatter: no full gradient or weight left, and fp32 gradient shards of the
     shards' own shapes."""
     cases = []
     for rank, seen in enumerate(got):
-        for unit in unit_shapes(seed):
+        for unit in run.unit_shapes():
             done = seen["after_grad"].get(unit)
             if done is None:
                 cases.append((False, f"rank {rank}: {unit}'s after_grad never ran"))
@@ -273,7 +276,7 @@ def sharded_grads_judge(got: list, seed: int) -> tuple[float, str]:
                     f"held {done['weights']:,} B of full weights or gradients (free the weights and keep "
                     "no full tensor in after_grad)"
                 )
-            want = 4 * padded_elements(seed, unit) // RANKS
+            want = 4 * run.padded_elements(unit) // run.ranks
             if done["shard_grads"] != want:
                 problems.append(
                     f"left {done['shard_grads']:,} B of gradient shards of their shards' shapes, want {want:,} B"

@@ -1,0 +1,457 @@
+"""The capstone's checks (exercise 07), on any run: the student's whole ZeRO-3, with prefetch, trained on 3 ranks
+by the lab's loop. The grade gives them a model the notebook never shows (`checks/ex07_capstone_model`, drawn
+from the seed); the public `check()` of the student release gives them the notebook's own (`tiny`, seed 0).
+
+The probe plugs the answers into the build-along's scaffold (`labkit.buildalong.Pieces`, `Learner`) and trains
+them with `labkit.engines.loop.train_rank`, under the lab's probes. It returns what the probes measured (each
+rank's losses, bytes per collective, state bytes, the order of its all-gathers and block computes) and each
+rank's gradient shards after the first backward. The judges compute every reference themselves: `single`
+trained in this process (losses, gradients), the ring formula and fp32 byte table of `labkit.budget` over the
+padded parameters (bytes, state), and each unit's padded size (what must be gathered before a block computes).
+No answer is here: every reference is `single`'s, a formula's, or a size.
+
+What makes it ZeRO-3 is measured too, not only what it computes (`labkit.grading.capstone_memory`): around
+each moment the probe weighs the full weights a unit holds and its full gradients. A unit whose
+`after_forward` frees nothing trains to the same losses over the same bytes, yet holds the whole model from
+its forward to its backward; that costs it the memory check.
+
+Why the gradients and not only the losses: AdamW's update is invariant to a constant scale of the gradient
+(but for eps), so a reduce-scatter that forgets to divide by n trains to the same losses (measured: 3x the
+gradients moves tiny_uneven's first 5 losses by under 5e-7, relative). Its gradient shards are n x the mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from labkit.grading import ranks
+from labkit.grading.capstone_memory import Watch, freed_judge, sharded_grads_judge
+from labkit.grading.gradients import GRAD_REL_TOL, mean_hint
+from labkit.grading.kit import Check, SharedLaunch, answer, launch_timeout, tally, tensor_json
+
+LOCK = threading.RLock()  # held while a model is registered, and around single's reference (which registers)
+LAUNCH_TIMEOUT_S = 120.0
+RANKS_LIMIT_S = 150.0  # the six checks share one training run
+LOSS_REL_TOL = 1e-4
+PIECES = (
+    "shard",
+    "gather",
+    "before_forward",
+    "after_forward",
+    "before_backward",
+    "after_grad",
+    "make_optimizer",
+)
+FIRST_STEP_HINT = (
+    "the weights your gathers loaded are not the model's: is the receive buffer read rank-major, "
+    "parameter p's rows at recv.view(n, chunk)[:, offset : offset + shard numel]?"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One training run the checks judge: `model` (a name `labkit.model` knows, or `custom`'s name: it is
+    registered under it in every process that uses the run, the ranks included), its `seed` (weights and
+    batches), on `ranks` ranks for `steps` steps, with the lab's AdamW defaults."""
+
+    model: str
+    seed: int = 0
+    ranks: int = 3
+    steps: int = 3
+    custom: Any = None  # a labkit.model.ModelConfig the lab does not name
+
+    def config(self):
+        """The `RunConfig` the loop trains (and `single` reproduces)."""
+        from labkit.engines.base import RunConfig
+
+        return RunConfig(model=self.registered(), world_size=self.ranks, steps=self.steps, seed=self.seed)
+
+    def registered(self) -> str:
+        """`model`, a name `labkit.model.build_model` knows in this process."""
+        from labkit import model
+
+        if self.custom is not None:
+            with LOCK:
+                model.CONFIGS.setdefault(self.model, self.custom)
+        return self.model
+
+    @property
+    def n_layers(self) -> int:
+        from labkit.model import config
+
+        return config(self.registered()).n_layers
+
+    def unit_shapes(self) -> dict[str, list[tuple[tuple[int, ...], str]]]:
+        """{unit name: [(shape, parameter name)]}: the root (everything outside the blocks), then each block."""
+        return _unit_shapes(self.registered())
+
+    def padded_elements(self, unit: str | None = None) -> int:
+        """Elements of the padded full parameters (of one unit, or all): what an all-gather fills."""
+        from labkit.budget import padded_numel
+
+        units = self.unit_shapes()
+        chosen = units.values() if unit is None else [units[unit]]
+        return sum(padded_numel(shape, self.ranks) for params in chosen for shape, _ in params)
+
+
+@functools.cache
+def _unit_shapes(model: str) -> dict[str, list[tuple[tuple[int, ...], str]]]:
+    from labkit.model import GPT, config
+    from labkit.zero.hooks import model_units
+
+    units = model_units(GPT(config(model)))
+    return {unit: [(tuple(p.shape), name) for name, p in params] for unit, _, params in units}
+
+
+# --------------------------------------------------------------------------------------------- the probe
+
+
+class _FirstGrads:
+    """The student's after_grad, recording each unit's gradient shards the first time it returns."""
+
+    def __init__(self, after_grad):
+        self.after_grad = after_grad
+        self.grads: dict[str, dict] = {}
+
+    def __call__(self, unit) -> None:
+        self.after_grad(unit)
+        if unit.name in self.grads:
+            return
+        prefix = "" if unit.name == "root" else f"{unit.name}."
+        names = {id(p): prefix + n for n, p in unit.module.named_parameters()}
+        self.grads[unit.name] = {
+            names[id(p)]: None if s.grad is None else tensor_json(s.grad)
+            for p, s in zip(unit.params, unit.shards, strict=True)
+        }
+
+
+def _rank(pieces, run: Run) -> dict:
+    """On each rank: train the student's pieces with the lab's loop and keep what the judges need."""
+    from labkit.buildalong.scaffold import Learner
+    from labkit.engines import loop
+
+    recorder = _FirstGrads(pieces.after_grad)
+    watch = Watch(dataclasses.replace(pieces, after_grad=recorder))
+    out = loop.train_rank(Learner(watch.wrapped()), run.config())
+    last = run.steps - 1
+    order = [
+        [e["kind"], e["name"], e["start_s"]]
+        for e in out["timeline"]
+        if e["step"] == last
+        and (
+            (e["kind"] == "comm" and e["name"] == "all_gather")
+            or (e["kind"] == "compute" and e["name"].endswith(".forward"))
+        )
+    ]
+    return {
+        "losses": out["losses"],
+        "grads": {name: g for unit in recorder.grads.values() for name, g in unit.items()},
+        "comm": out["comm"][last],
+        "state_bytes": out["state_bytes"],
+        "gathers": [
+            [c["payload_bytes"], c["async_op"]] for c in out["collective_calls"] if c["kind"] == "all_gather"
+        ],
+        "order": order,
+        "memory": {"after_forward": watch.after_forward, "after_grad": watch.after_grad, "peak": watch.peak},
+    }
+
+
+_shared = SharedLaunch()
+
+
+def _launch(ns: dict, run: Run) -> list[dict]:
+    """One training run serves the six probes: the result (or failure) is kept for the same answers."""
+    fns = tuple(answer(ns, name) for name in PIECES)
+    return _shared.result((*fns, run), lambda: _train(fns, run))
+
+
+def _train(fns: tuple, run: Run) -> list[dict]:
+    import torch
+
+    from labkit.buildalong.scaffold import Pieces
+
+    fns[0](torch.zeros(4, 2), 0, run.ranks)  # a stub raises here, with its own message, not from a rank
+    pieces = Pieces(**dict(zip(PIECES, fns, strict=True)))
+    return ranks.launch(_rank, run.ranks, pieces, run, timeout=launch_timeout(LAUNCH_TIMEOUT_S))
+
+
+def _training_probe(ns: dict, run: Run) -> list:
+    return [{"losses": r["losses"], "grads": r["grads"]} for r in _launch(ns, run)]
+
+
+def _bytes_probe(ns: dict, run: Run) -> list:
+    return [r["comm"] for r in _launch(ns, run)]
+
+
+def _state_probe(ns: dict, run: Run) -> list:
+    return [r["state_bytes"] for r in _launch(ns, run)]
+
+
+def _memory_probe(ns: dict, run: Run) -> list:
+    return [r["memory"] for r in _launch(ns, run)]
+
+
+def _prefetch_probe(ns: dict, run: Run) -> list:
+    return [{"gathers": r["gathers"], "order": r["order"]} for r in _launch(ns, run)]
+
+
+# -------------------------------------------------------------------------------------------- the judges
+
+
+@functools.cache
+def _single_run(run: Run) -> tuple[tuple[float, ...], dict]:
+    """`single` on the run's model: the loss of every step and the full gradients of the first."""
+    import torch
+
+    from labkit.engines.single import SingleEngine
+    from labkit.model import batch, build_model
+
+    cfg = run.config()
+    engine = SingleEngine(build_model(cfg.model, cfg.seed), cfg, torch.device("cpu"))
+    losses, grads = [], {}
+    for step in range(cfg.steps):
+        tokens, targets = batch(step, cfg.model, cfg.seed)
+        loss = engine.forward_loss(tokens, targets)
+        engine.backward(loss)
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in engine.model.named_parameters()}
+        engine.optimizer_step()
+        losses.append(loss.item())
+    return tuple(losses), grads
+
+
+def single_reference(run: Run) -> tuple[tuple[float, ...], dict]:
+    """(losses per step, first-step gradients by parameter name) of `single` on the run."""
+    with LOCK:
+        return _single_run(run)
+
+
+def _grad_case(seen: dict, grads: dict, rank: int, n: int) -> tuple[bool, str]:
+    """Rank `rank`'s gradient shards against its rows of single's gradient; the usual mistake named."""
+    import torch
+
+    from labkit.zero.sharding import shard_dim0
+
+    dot = norm = 0.0
+    problem = None
+    for name, full in grads.items():
+        want = shard_dim0(full.double(), rank, n)
+        got = seen.get(name) if isinstance(seen, dict) else None
+        if got is None:
+            return False, f"rank {rank}: the shard of {name} had no .grad when after_grad returned"
+        if not isinstance(got, dict) or got.get("shape") != list(want.shape):
+            shape = got.get("shape") if isinstance(got, dict) else type(got).__name__
+            return (
+                False,
+                f"rank {rank}: the gradient shard of {name} has shape {shape}, want {list(want.shape)}",
+            )
+        values = torch.tensor(got["values"], dtype=torch.float64).view_as(want)
+        dot += float((values * want).sum())
+        norm += float((want * want).sum())
+        err = float((values - want).abs().max()) if want.numel() else 0.0
+        scale = float(full.abs().max())
+        if problem is None and not err <= GRAD_REL_TOL * scale + 1e-9:
+            problem = (
+                f"rank {rank}: the gradient shard of {name} differs from single's rows by up to {err:.3g} "
+                f"(of {scale:.3g})"
+            )
+    if problem is None:
+        return True, ""
+    ratio = dot / norm if norm else math.nan
+    hint = mean_hint(n, f"the sum over the {n} ranks", f"divide the reduce-scatter's sum by n = {n}")(ratio)
+    return False, problem + (f" ({hint})" if hint else "")
+
+
+def _training_judge(got: list, run: Run) -> tuple[float, str]:
+    losses, grads = single_reference(run)
+    cases = []
+    for step, want in enumerate(losses):
+        seen = sum(float(r["losses"][step]) for r in got) / run.ranks
+        rel = abs(seen - want) / abs(want)
+        why = f"step {step}: loss {seen:.6f}, single's {want:.6f} (relative {rel:.1e} > {LOSS_REL_TOL:g})"
+        if step == 0:
+            why += f"; step 0 comes before any update, so {FIRST_STEP_HINT}"
+        cases.append((rel <= LOSS_REL_TOL, why))
+    for rank in range(run.ranks):
+        cases.append(_grad_case(got[rank]["grads"], grads, rank, run.ranks))
+    fraction, feedback = tally(cases)
+    return fraction, f"losses of {run.steps} steps and each rank's first-step gradient shards: {feedback}"
+
+
+def expected_wire_bytes(run: Run) -> dict[str, int]:
+    """Per rank per step: 2 all-gathers (forward, backward) and 1 reduce-scatter of the padded fp32 weights."""
+    from labkit.budget import collective_wire_bytes
+
+    payload = run.padded_elements() * 4
+    return {
+        "all_gather": 2 * collective_wire_bytes("all_gather", payload, run.ranks),
+        "reduce_scatter": collective_wire_bytes("reduce_scatter", payload, run.ranks),
+    }
+
+
+def expected_calls(run: Run) -> dict[str, int]:
+    """Per rank per step: one packed all-gather per unit in forward and one in backward, one reduce-scatter."""
+    units = len(run.unit_shapes())
+    return {"all_gather": 2 * units, "reduce_scatter": units}
+
+
+def _bytes_judge(got: list, run: Run) -> tuple[float, str]:
+    want = expected_wire_bytes(run)
+    payload = run.padded_elements() * 4
+    formula = {
+        "all_gather": f"2 x (n-1)/n x {payload:,} B of padded weights = {want['all_gather']:,} B",
+        "reduce_scatter": f"(n-1)/n x {payload:,} B of padded gradients = {want['reduce_scatter']:,} B",
+    }
+    cases = []
+    for rank, comm in enumerate(got):
+        for kind, bytes_ in want.items():
+            seen = comm.get(kind, {}).get("wire_bytes", 0)
+            cases.append(
+                (
+                    seen == bytes_,
+                    f"rank {rank}: {kind} sent {seen:,} B in a step, the formula {formula[kind]}",
+                )
+            )
+        for kind, calls in expected_calls(run).items():
+            seen = comm.get(kind, {}).get("calls", 0)
+            cases.append(
+                (
+                    seen == calls,
+                    f"rank {rank}: {seen} {kind} calls in a step, want {calls}: one per unit "
+                    f"{'in forward and one in backward' if kind == 'all_gather' else 'after its backward'}, "
+                    "every parameter of the unit packed into it",
+                )
+            )
+        others = sorted(set(comm) - set(want))  # a failing case each, said first: nothing else earns anything
+        cases[:0] = [
+            (
+                False,
+                f"rank {rank} also ran {other}: ZeRO-3 needs only all-gathers and reduce-scatters (a "
+                "reduce-scatter leaves each rank only its rows of the sum, at half an all-reduce's bytes)",
+            )
+            for other in others
+        ]
+    return tally(cases)
+
+
+def expected_state_bytes(run: Run) -> dict[str, int]:
+    """Per rank: 4 B/param of fp32 shards, 4 of gradient shards, 8 of AdamW's m and v, over padded sizes."""
+    from labkit.budget import PRECISIONS
+
+    per_param = PRECISIONS["fp32"]
+    elements = run.padded_elements() // run.ranks
+    return {
+        "params": int(per_param["weights"] * elements),
+        "grads": int(per_param["grads"] * elements),
+        "optimizer": int((per_param["master"] + per_param["adam_m"] + per_param["adam_v"]) * elements),
+    }
+
+
+def _state_judge(got: list, run: Run) -> tuple[float, str]:
+    want = expected_state_bytes(run)
+    n_tensors = sum(len(params) for params in run.unit_shapes().values())
+    step_counters = 4 * n_tensors  # torch.optim.AdamW keeps a 4-byte step per tensor
+    cases = []
+    for rank, state in enumerate(got):
+        for key, bytes_ in want.items():
+            seen = state.get(key)
+            allowed = (bytes_, bytes_ + step_counters) if key == "optimizer" else (bytes_,)
+            hint = {
+                "params": "the shards only: free every full weight after its unit's gradients are reduced",
+                "grads": "the gradient shards only: set each full p.grad to None after the reduce-scatter",
+                "optimizer": "AdamW's m and v over the shards, not over the full parameters",
+            }[key]
+            cases.append(
+                (seen in allowed, f"rank {rank}: {key} {seen} B after a step, want {bytes_:,} B ({hint})")
+            )
+    return tally(cases)
+
+
+def _prefetch_case(seen: dict, run: Run, rank: int, block: int) -> tuple[bool, str]:
+    """Before blocks.{block} computes: the gathers issued cover the root and blocks 0..block+1, the last async."""
+    root = run.padded_elements("root") * 4
+    per_block = run.padded_elements("blocks.0") * 4
+    events = sorted(seen["order"], key=lambda e: float(e[2]))
+    start = next(
+        (float(e[2]) for e in events if e[0] == "compute" and e[1] == f"blocks.{block}.forward"), None
+    )
+    if start is None:
+        return False, f"rank {rank}: blocks.{block} never computed in the last step"
+    issued = sum(1 for e in events if e[0] == "comm" and float(e[2]) < start)
+    gathers = seen["gathers"][:issued]
+    covered = sum(int(g[0]) for g in gathers)
+    nxt = f"blocks.{block + 1}"
+    where = f"rank {rank}: when blocks.{block} started computing"
+    if covered < root + (block + 2) * per_block:
+        units = max(0, (covered - root) // per_block) if covered >= root else 0
+        return False, (
+            f"{where}, all-gathers had been issued for the root and {units} block(s), not yet for {nxt}: "
+            f"issue {nxt}'s gather in blocks.{block}'s before_forward (unit.next), before it computes"
+        )
+    if not gathers or gathers[-1][1] is not True:
+        return (
+            False,
+            f"{where}, {nxt}'s all-gather was synchronous: pass async_op=True and wait in its own before_forward",
+        )
+    return True, ""
+
+
+def _prefetch_judge(got: list, run: Run) -> tuple[float, str]:
+    n_blocks = run.n_layers
+    cases = [
+        _prefetch_case(seen, run, rank, block)
+        for rank, seen in enumerate(got)
+        for block in range(n_blocks - 1)
+    ]
+    return tally(cases)
+
+
+RANKS_GROUP = "ranks"  # one training run serves all six checks
+# (name, points, probe, judge) of each check, as the grade scores them.
+CHECKS = (
+    ("training: losses and first-step gradient shards against single", 4, _training_probe, _training_judge),
+    (
+        "wire bytes and calls per collective: a packed reduce-scatter, against the ring formula",
+        2,
+        _bytes_probe,
+        _bytes_judge,
+    ),
+    (
+        "full weights freed after each unit's forward: only the shards between forward and backward",
+        3,
+        _memory_probe,
+        freed_judge,
+    ),
+    (
+        "gradients end sharded: no full gradient or weight left after a unit's reduce-scatter",
+        2,
+        _memory_probe,
+        sharded_grads_judge,
+    ),
+    ("state bytes per rank: 16 B/param/n over the padded shards", 2, _state_probe, _state_judge),
+    (
+        "prefetch: the next unit's all-gather issued, async, before this unit computes",
+        2,
+        _prefetch_probe,
+        _prefetch_judge,
+    ),
+)
+
+
+def checks(run_of: Callable[[int], Run]) -> tuple[Check, ...]:
+    """The six checks, each probing and judging the run `run_of(seed)`: one training run serves them all."""
+
+    def bound(fn: Callable) -> Callable:
+        return lambda first, seed: fn(first, run_of(seed))
+
+    return tuple(
+        Check(
+            name, points, bound(probe), bound(judge), answers=PIECES, limit_s=RANKS_LIMIT_S, group=RANKS_GROUP
+        )
+        for name, points, probe, judge in CHECKS
+    )
