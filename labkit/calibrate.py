@@ -9,6 +9,12 @@
     collectives[kind][n]   gloo's latency (s) and bandwidth (GB/s of ring wire bytes) for all-gather,
                            reduce-scatter and all-reduce: a line through a few message sizes, fitted by
                            the median of the pairwise slopes (Theil-Sen), which one slow call cannot tilt
+    sync_s[n]              what one wait on the other ranks costs mid-step, beyond the collective itself:
+                           the same steps with a barrier after each block's forward and backward, less the
+                           steps without, per barrier (slowest rank). Ranks drift apart while they compute
+                           (they share cores, the scheduler deals them time slices); a collective waited on
+                           at once makes every rank wait for the last one, where a prefetched one absorbs
+                           the drift behind the next block's compute
 
 Every time is the rank's clock (`labkit.probes.clock`): on ranks with a core each, wall time less the
 moments a rank waited for a core, so a neighbour's load does not enter the rates; the profile records how
@@ -93,16 +99,26 @@ def collective_fit(points: list[tuple[int, float]]) -> dict:
 # ------------------------------------------------------------------------------------------ rank side
 
 
-def _train_steps_s(model_name: str, world_size: int, rank: int) -> list[float]:
-    """Seconds of each timed training step (no collectives) of `single`'s step on this rank's batch slice."""
+def _train_steps_s(model_name: str, world_size: int, rank: int, synced: bool = False) -> list[float]:
+    """Seconds of each timed training step (no collectives) of `single`'s step on this rank's batch slice;
+    `synced`: with a barrier after each block's forward and each block's backward (`synced_waits`)."""
     from labkit.engines.loop import timed_step
     from labkit.engines.single import SingleEngine
 
     cfg = RunConfig(model=model_name)
     engine = SingleEngine(build_model(model_name), cfg, torch.device("cpu"))
+    if synced:
+        for block in engine.model.blocks:
+            block.register_forward_hook(lambda *_: dist.barrier())
+            block.register_full_backward_hook(lambda *_: dist.barrier())
     return [
         timed_step(engine, s, batch(s, model_name, 0, world_size, rank))[1] for s in range(COMPUTE_STEPS + 1)
     ][1:]
+
+
+def synced_waits(model_name: str) -> int:
+    """Barriers in one synced step of `_train_steps_s`: one after each block's forward and its backward."""
+    return 2 * len(build_model(model_name).blocks)
 
 
 def _collectives_s(kind: str, n: int) -> dict[int, list[float]]:
@@ -130,19 +146,21 @@ def _collectives_s(kind: str, n: int) -> dict[int, list[float]]:
 
 def _measure_rank(model_name: str, alone_first: bool, repeats: int) -> dict:
     """On each rank, `repeats` rounds of: (rank 0 alone, when asked) the one-rank steps, then every rank's
-    steps at once; then each collective at each size. Interleaving the rounds lets a passing load touch
-    both figures alike; the parent keeps their medians. One thread per rank, as the engines run."""
+    steps at once, with and without a barrier after each block (in alternating order); then each collective
+    at each size. Interleaving the rounds lets a passing load touch the figures alike; the parent keeps
+    their medians. One thread per rank, as the engines run."""
     torch.set_num_threads(1)
     rank, n = dist.get_rank(), dist.get_world_size()
-    out: dict = {"alone_s": [], "together_s": []}
+    out: dict = {"alone_s": [], "together_s": [], "synced_s": []}
     delay, wall_s = RankClock(), time.perf_counter()
-    for _ in range(repeats):
+    for i in range(repeats):
         if alone_first:
             if rank == 0:
                 out["alone_s"] += _train_steps_s(model_name, 1, 0)
             dist.barrier()
-        out["together_s"] += _train_steps_s(model_name, n, rank)
-        dist.barrier()
+        for synced in (False, True) if i % 2 == 0 else (True, False):
+            out["synced_s" if synced else "together_s"] += _train_steps_s(model_name, n, rank, synced)
+            dist.barrier()
     out["collectives"] = {k: _collectives_s(k, n) for k in KINDS}
     out["run_delay_share"] = delay.run_delay_s() / (time.perf_counter() - wall_s)
     return out
@@ -176,7 +194,7 @@ def calibrate(
     if not sizes or sizes[0] < 2:
         raise ValueError(f"world_sizes={world_sizes!r}: pass world sizes of 2 ranks or more, e.g. (2, 4)")
     rate = None
-    core_share, collectives = {"1": 1.0}, {k: {} for k in KINDS}
+    core_share, collectives, sync_s = {"1": 1.0}, {k: {} for k in KINDS}, {"1": 0.0}
     noise: dict[str, dict[str, float]] = {"run_delay_share": {}, "compute_spread": {}}
     for n in sizes:
         ranks = labkit.launch(
@@ -192,6 +210,8 @@ def calibrate(
         )
         noise["run_delay_share"][str(n)] = max(r["run_delay_share"] for r in ranks)
         core_share[str(n)] = flops_per_token * tokens / together_s / rate
+        synced_s = _slowest([r["synced_s"] for r in ranks])
+        sync_s[str(n)] = max(0.0, synced_s - together_s) / synced_waits(model)
         for kind in KINDS:
             points = [
                 (
@@ -218,6 +238,7 @@ def calibrate(
             "compute_flops_per_s": rate,
             "core_share": core_share,
             "collectives": collectives,
+            "sync_s": sync_s,
         }
     )
 
@@ -306,6 +327,11 @@ def profile_table(profile: dict) -> str:
         f"compute, one rank alone ({profile['model']}, one thread): {profile['compute_flops_per_s'] / 1e9:.1f} GFLOP/s",
         "core share per rank: " + ", ".join(f"{n} ranks {s:.2f}" for n, s in profile["core_share"].items()),
     ]
+    if "sync_s" in profile:
+        lines.append(
+            "a wait on every rank mid-step (the ranks' drift): "
+            + ", ".join(f"{n} ranks {s * 1e3:.2f} ms" for n, s in profile["sync_s"].items() if n != "1")
+        )
     machine = profile.get("machine", {})
     if "load_average_before" in machine:
         lines.append(

@@ -48,6 +48,8 @@ def test_a_real_calibration_fits_its_own_measurements_and_round_trips_through_js
     machine = profile["machine"]
     assert machine["noise"]["run_delay_share"]["2"] > quiet["machine"]["noise"]["run_delay_share"]["2"]
     assert set(machine["noise"]["compute_spread"]) == {"1", "2"}
+    # the drift: a barrier mid-step costs at least nothing and less than a whole step's share of compute
+    assert profile["sync_s"]["1"] == 0 and 0 <= profile["sync_s"]["2"] < 1 / profile["core_share"]["2"]
     assert (
         machine["repeats"] == 2 and len(machine["load_average_before"]) == len(machine["load_average"]) == 3
     )
@@ -97,6 +99,25 @@ def test_plan_with_a_hand_written_profile_gives_the_hand_computed_step():
     ddp = budget.plan(1e6, 2, "ddp", machine=HAND, link_gbytes=math.inf, intra_gbytes=math.inf, **HAND_PLAN)
     assert ddp["traffic_terms"][0]["calls"] == 1  # 4 MB of gradients: one DDP bucket
     assert ddp["step_time_s"] == pytest.approx(compute_s + 1e-3 + 4e6 / 1e9)
+
+
+def test_without_prefetch_each_all_gather_waits_for_the_ranks_drift_and_with_it_none_does():
+    drifting = {**HAND, "sync_s": {"2": 4e-3}}  # each wait on every rank mid-step: 4 ms
+    options = {"link_gbytes": math.inf, "intra_gbytes": math.inf, **HAND_PLAN}
+    base = budget.plan(1e6, 2, "zero3", machine=HAND, prefetch=False, **options)
+    late = budget.plan(1e6, 2, "zero3", machine=drifting, prefetch=False, **options)
+    # 4 layers + the root, gathered in the forward and again in the backward: 10 waits of 4 ms
+    assert late["sync_wait_s"] == pytest.approx(10 * 4e-3) and base["sync_wait_s"] == 0
+    assert late["step_time_s"] == pytest.approx(base["step_time_s"] + 10 * 4e-3)
+    prefetched = budget.plan(1e6, 2, "zero3", machine=drifting, prefetch=True, **options)
+    assert prefetched["sync_wait_s"] == 0
+    assert prefetched["step_time_s"] == pytest.approx(
+        budget.plan(1e6, 2, "zero3", machine=HAND, **options)["step_time_s"]
+    )
+    ddp = budget.plan(1e6, 2, "ddp", machine=drifting, prefetch=False, **options)
+    assert (
+        ddp["sync_wait_s"] == 0
+    )  # its all-reduces are waited on after the backward: one wait, not one per unit
 
 
 def test_a_profile_without_the_world_size_or_the_keys_is_refused_in_one_sentence(tmp_path):

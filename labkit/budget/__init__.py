@@ -37,6 +37,7 @@ from .machine import (
     machine_collective_s,
     machine_flops_per_s,
     machine_summary,
+    machine_sync_s,
 )
 from .memory import Memory, fit_verdict, host_bytes_per_node, memory_terms, transient_bytes
 from .planner import model_options, plan
@@ -145,6 +146,7 @@ __all__ = [
     "machine_flops_per_s",
     "machine_collective_s",
     "machine_summary",
+    "machine_sync_s",
     # DeepSpeed's estimator
     "deepspeed_zero_estimate",
     # reading and writing sizes, reading a plan

@@ -81,6 +81,12 @@ def machine_collective_s(machine: dict, kind: str, world_size: int, wire_bytes: 
     return calls * fit["latency_s"] + wire_bytes / (fit["gbytes"] * 1e9)
 
 
+def machine_sync_s(machine: dict, world_size: int) -> float:
+    """Seconds one wait on every rank costs mid-step beyond the collective itself (the ranks' drift), at
+    `world_size`: the profile's `sync_s`; 0 for a profile written before calibrate measured it."""
+    return float(machine.get("sync_s", {}).get(str(world_size), 0.0))
+
+
 def machine_summary(machine: dict, world_size: int) -> dict:
     """What a plan's result says of the profile it used: the rates at this world size and where it was measured."""
     share = _measured_at(machine["core_share"], world_size, "core share")
@@ -88,5 +94,6 @@ def machine_summary(machine: dict, world_size: int) -> dict:
         "compute_flops_per_s": machine["compute_flops_per_s"],
         "core_share": share,
         "flops_per_s_per_rank": machine["compute_flops_per_s"] * share,
+        "sync_s": machine_sync_s(machine, world_size),
         "calibrated_on": machine.get("machine", {}),
     }

@@ -116,6 +116,8 @@ def _time_rows(result: dict) -> list[tuple[str, str, str]]:
         ("exposed comm, one-layer prefetch", result["exposed_comm_prefetch_s"]),
         ("exposed comm, no prefetch", result["exposed_comm_no_prefetch_s"]),
     ]
+    if result["sync_wait_s"]:
+        rows.append(("waiting for the last rank at each all-gather (calibrated)", result["sync_wait_s"]))
     if result["offload_time_s"]:
         rows.append(("offload transfers", result["offload_time_s"]))
     if result["host_optimizer_time_s"]:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from .inputs import PRECISIONS, PlanInputs
-from .machine import machine_collective_s, machine_flops_per_s
+from .machine import machine_collective_s, machine_flops_per_s, machine_sync_s
 from .memory import _OPTIMIZER_TERMS, Memory
 from .traffic import LINKS, Term
 
@@ -127,6 +127,17 @@ def host_optimizer_time_s(p: PlanInputs, mem: Memory) -> float:
     return mem.elems["master"] / p.host_adam_params_per_s
 
 
+def sync_wait_s(p: PlanInputs, terms: list[Term], machine: dict | None) -> float:
+    """Seconds a step waits for the ranks' drift: without prefetch each all-gather of the forward and the
+    backward is waited on as it is issued, so every rank waits there for the last to arrive, which costs a
+    `machine` profile's `sync_s` per wait (with prefetch the next block's compute absorbs the drift); 0
+    without a profile (a datasheet plan has no drift to price)."""
+    if p.prefetch or not machine:
+        return 0.0
+    waits = sum(t.calls for t in terms if t.collective == "all_gather" and t.phase in ("forward", "backward"))
+    return waits * machine_sync_s(machine, p.world_size)
+
+
 def step_time(
     p: PlanInputs,
     terms: list[Term],
@@ -141,6 +152,8 @@ def step_time(
     forward inside the backward: 8 N tokens). Each phase's link time overlaps its compute by
     `_overlap_exposed_s`; the backend's own time (`Term.backend_s`: on a CPU its copies run on the cores
     that compute), the after-step all-gather, the offload transfers and CPU Adam do not overlap.
+
+    Without prefetch each rank also waits for the last to arrive at every all-gather (`sync_wait_s`).
     """
     per_token = 8.0 if p.activation_checkpointing else 6.0
     flops = per_token * p.params * p.tokens_per_rank
@@ -169,7 +182,7 @@ def step_time(
         + _overlap_exposed_s(by_phase["backward_reduce"], bwd_k, p.layers)
         + by_phase["step"]
     )
-    exposed = exposed_prefetch if p.prefetch else exposed_no_prefetch
+    exposed = exposed_prefetch if p.prefetch else exposed_no_prefetch + sync_wait_s(p, terms, machine)
     return {
         "flops_per_rank": flops,
         "compute_time_s": compute_time_s,
@@ -180,6 +193,7 @@ def step_time(
         "exposed_comm_s": exposed,
         "exposed_comm_prefetch_s": exposed_prefetch,
         "exposed_comm_no_prefetch_s": exposed_no_prefetch,
+        "sync_wait_s": sync_wait_s(p, terms, machine),
         "offload_time_s": offload_time_s,
         "host_optimizer_time_s": host_adam_s,
         "step_time_s": compute_time_s + exposed + offload_time_s + host_adam_s,

@@ -39,8 +39,8 @@ def register(subparsers) -> None:
         "calibrate",
         help="measure this machine's compute rate and collective costs for labkit budget's time model",
         description="Measure, in about a minute, this machine's compute rate for the lab's model (one rank, "
-        "one thread), the share of it each rank keeps when ranks share the cores, and gloo's latency and "
-        "bandwidth per collective and world size; write them as a machine profile (JSON). The compute figures "
+        "one thread), the share of it each rank keeps when ranks share the cores, how far the ranks drift apart "
+        "between two waits on each other, and gloo's latency and bandwidth per collective and world size; write them as a machine profile (JSON). The compute figures "
         "are medians over interleaved rounds, so a passing load moves them less.",
     )
     p.add_argument("--out", metavar="FILE", required=True, help="where to write the profile (JSON)")
