@@ -1,8 +1,9 @@
 """The deepspeed engine against the single-process AdamW oracle, under `labkit.launch` and its launcher.
 
-DeepSpeed's init costs seconds per engine, so each launch builds several engines in turn. Its CPU ops
-(cpu_adam, shm comm) are JIT-built once into ~/.cache/torch_extensions; the generous timeout covers a
-first build on a cold cache.
+DeepSpeed's init costs seconds per engine, so each launch builds several engines in turn: one launch per
+world size (`ranks`) serves every rank-side check of this file at that size, and one run of the `deepspeed`
+launcher serves both checks under it. Its CPU ops (cpu_adam, shm comm) are JIT-built once into
+~/.cache/torch_extensions; the generous timeout covers a first build on a cold cache.
 """
 
 from __future__ import annotations
@@ -11,15 +12,14 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
 from engine_helpers import assert_close, reference_losses
+from launches import job, launched_on_demand, train
 
-import labkit
 from labkit.budget import collective_wire_bytes, deepspeed_zero_estimate
 from labkit.engines import deepspeed as dse
 from labkit.engines import loop
@@ -96,20 +96,24 @@ def _train_beside_comms_logger(engine, cfg: RunConfig, probes: Probes) -> list[d
     return out
 
 
-def test_deepspeed_matches_single_with_each_option_on_two_ranks():
-    base = RunConfig(world_size=2, steps=3)
-    cases = {
-        # First: DeepSpeed's backend keeps the torch.distributed functions it finds at its first init, so the
-        # probe must be installed then to see its collectives (later cases' calls land in it unread).
-        "fp32": replace(base, steps=10, options={"comms_logger": True}),
-        "bf16": replace(base, dtype="bfloat16"),
-        "offload_optimizer": replace(base, offload="cpu"),
-        "offload_all": replace(base, offload="cpu", options={"offload_param": True}),
-        "defaults": replace(base, options={"ds_mode": "defaults"}),
-        "quantized_weights": replace(base, options={"zero_quantized_weights": True}),
-        "quantized_gradients": replace(base, options={"zero_quantized_gradients": True}),
-    }
-    got = labkit.launch(_variants, 2, list(cases.items()), timeout=TIMEOUT_S)[0]
+_BASE = RunConfig(world_size=2, steps=3)
+VARIANT_CASES = {
+    # First: DeepSpeed's backend keeps the torch.distributed functions it finds at its first init, so the
+    # probe must be installed then to see its collectives (later cases' calls land in it unread). First in
+    # the 2-rank launch too (`ranks`).
+    "fp32": replace(_BASE, steps=10, options={"comms_logger": True}),
+    "bf16": replace(_BASE, dtype="bfloat16"),
+    "offload_optimizer": replace(_BASE, offload="cpu"),
+    "offload_all": replace(_BASE, offload="cpu", options={"offload_param": True}),
+    "defaults": replace(_BASE, options={"ds_mode": "defaults"}),
+    "quantized_weights": replace(_BASE, options={"zero_quantized_weights": True}),
+    "quantized_gradients": replace(_BASE, options={"zero_quantized_gradients": True}),
+}
+
+
+def test_deepspeed_matches_single_with_each_option_on_two_ranks(ranks):
+    cases = VARIANT_CASES
+    got = ranks(2)["variants"]
     for name in ("fp32", "offload_optimizer", "offload_all", "defaults"):
         assert_close(got[name]["losses"], reference_losses(cases[name]))
     assert_close(got["bf16"]["losses"], reference_losses(replace(cases["bf16"], dtype="float32")), BF16_REL)
@@ -173,13 +177,11 @@ def _assert_terms_sum_to_the_measurement(state: dict, name: str) -> None:
     assert sum(state["outside_state"].values()) <= 9, name  # an 8- (or 4-) byte norm and a 1-byte flag
 
 
-def test_deepspeed_extra_copy_itemised_at_four_ranks():
+def test_deepspeed_extra_copy_itemised_at_four_ranks(ranks):
     # Issue 19, item 1: fp32 ZeRO-3 at 4 ranks keeps 20 B/param / n (4 params + 4 grads + 4 fp32 master +
     # 8 AdamW) plus a reduce bucket of one block and AdamW's 4-byte step: about 1.48 x 16 B/param / n.
     n, n_params = 4, count_params(build_model())
-    state = labkit.launch(
-        deepspeed_inspect.itemise_state, n, RunConfig(world_size=n, steps=2), timeout=TIMEOUT_S
-    )[0]
+    state = ranks(4)["itemised"]
     _assert_terms_sum_to_the_measurement(state, "fp32 at 4 ranks")
     assert state["paper_bytes"] == 16 * n_params / n
     assert state["measured_bytes"] == 20 * n_params // n + 4 * block_numel("tiny") + 4
@@ -200,25 +202,36 @@ def _loop_cfg(n: int, kw: dict) -> RunConfig:
     return replace(RunConfig(world_size=n, steps=3), **kw)
 
 
+NVME = RunConfig(model="small", world_size=2, steps=2, offload="nvme", options={"offload_param": True})
+
+
+def deepspeed_jobs(n: int) -> dict:
+    """Every rank-side job of this file at `n` ranks, in launch order: at 2, `_variants` first (see
+    VARIANT_CASES); at 4, the hpZ run last (DeepSpeed keeps its hpZ groups for the process, see run_many)."""
+    jobs = {"variants": job(_variants, list(VARIANT_CASES.items()))} if n == 2 else {}
+    if n == 4:
+        jobs["itemised"] = job(deepspeed_inspect.itemise_state, RunConfig(world_size=n, steps=2))
+    hpz = [i for i, (_, kw) in enumerate(LOOP_CASES) if "zero_hpz_partition_size" in kw.get("options", {})]
+    for i in sorted(range(len(LOOP_CASES)), key=lambda i: i in hpz):
+        if LOOP_CASES[i][0] == n:
+            jobs[f"loop {i}"] = train("deepspeed", _loop_cfg(*LOOP_CASES[i]))
+    if n == 2:
+        jobs["nvme"] = job(_nvme_rank, NVME, per_rank=True)
+    return jobs
+
+
 @pytest.fixture(scope="module")
-def loop_records() -> dict[int, dict]:
-    """Each LOOP_CASES run's record, by index: one launch per world size (the hpZ run alone, see run_many)."""
-    launches: dict[tuple[int, bool], list[int]] = {}
-    for i, (n, kw) in enumerate(LOOP_CASES):
-        launches.setdefault((n, "zero_hpz_partition_size" in kw.get("options", {})), []).append(i)
-    records = {}
-    for indices in launches.values():
-        runs = [("deepspeed", _loop_cfg(*LOOP_CASES[i])) for i in indices]
-        records.update(zip(indices, loop.run_many(runs, timeout_s=TIMEOUT_S), strict=True))
-    return records
+def ranks():
+    """`get(n)`: {job name: result} of `deepspeed_jobs(n)`, launched the first time a test asks for `n`."""
+    return launched_on_demand(deepspeed_jobs, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", range(len(LOOP_CASES)), ids=[f"{n}-{kw}" for n, kw in LOOP_CASES])
-def test_deepspeed_bytes_through_the_loop_match_the_plan(case, loop_records):
+def test_deepspeed_bytes_through_the_loop_match_the_plan(case, ranks):
     # The comm record is the last step's: from step 2 on DeepSpeed has traced its order (steady state).
     n, kw = LOOP_CASES[case]
     cfg = _loop_cfg(n, kw)
-    record = loop_records[case]
+    record = ranks(n)[f"loop {case}"]
     unsharded = build_model(cfg.model)
     rel = BF16_REL if cfg.dtype == "bfloat16" else 1e-4
     assert_close(record["losses"], reference_losses(replace(cfg, dtype="float32")), rel)
@@ -296,29 +309,43 @@ def _under_deepspeed_launcher(script) -> str:
     return done.stdout
 
 
-def test_deepspeed_runs_under_the_deepspeed_launcher(tmp_path):
-    script = tmp_path / "run.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import os
-            import labkit
-            from labkit.engines import deepspeed as dse, loop
-            from labkit.engines.base import RunConfig
-            from labkit.model import build_model
+# One run of the launcher for both of its checks (starting it costs seconds): first `train_steps` through
+# `labkit.launch` in place, then `loop.run` of the plain and the qgZ runs with labkit's refusal lifted.
+UNDER_LAUNCHER = """
+import json, os, sys
+import labkit
+from labkit import cluster
+from labkit.engines import deepspeed as dse, loop
+from labkit.engines.base import RunConfig
+from labkit.model import build_model
 
-            def fn(cfg):
-                return loop.train_steps(dse.build(cfg, build_model(), loop.rank_info()), cfg)
+def fn(cfg):
+    return loop.train_steps(dse.build(cfg, build_model(), loop.rank_info()), cfg)
 
-            losses = labkit.launch(fn, 2, RunConfig(world_size=2, steps=3))
-            if os.environ["RANK"] == "0":
-                print("LOSSES", losses[0])
-            labkit.cluster.leave_launched_rank(0)
-            """
-        )
-    )
-    stdout = _under_deepspeed_launcher(script)
-    line = next(x for x in stdout.splitlines() if "LOSSES" in x)
+losses = labkit.launch(fn, 2, RunConfig(world_size=2, steps=3))
+if os.environ["RANK"] == "0":
+    print("LOSSES", losses[0])
+
+dse.refuse_cuda_only_flags = lambda cfg: None  # let DeepSpeed itself decide what the flag does
+cases = {"plain": {}, "qgz": {"zero_quantized_gradients": True}}
+records = {k: loop.run("deepspeed", RunConfig(world_size=2, steps=3, options=v)) for k, v in cases.items()}
+if os.environ["RANK"] == "0":
+    kept = {k: {"losses": r["losses"], "comm": r["comm"]} for k, r in records.items()}
+    sys.stdout.write("RECORDS " + json.dumps(kept) + "\\n")
+cluster.leave_launched_rank(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def launcher_stdout(tmp_path_factory) -> str:
+    """Rank 0's stdout of UNDER_LAUNCHER on 2 CPU ranks under the `deepspeed` launcher."""
+    script = tmp_path_factory.mktemp("launcher") / "run.py"
+    script.write_text(UNDER_LAUNCHER)
+    return _under_deepspeed_launcher(script)
+
+
+def test_deepspeed_runs_under_the_deepspeed_launcher(launcher_stdout):
+    line = next(x for x in launcher_stdout.splitlines() if "LOSSES" in x)
     losses = [float(v) for v in line.split("LOSSES", 1)[1].strip(" []").split(",")]
     assert_close(losses, reference_losses(RunConfig(steps=3)))
 
@@ -331,10 +358,10 @@ def _nvme_rank(cfg: RunConfig) -> dict:
     return {"losses": losses, "rows": rows, "files": files, "swap_dir": engine.swap_dir}
 
 
-def test_nvme_offload_keeps_the_optimizer_state_in_files_and_the_losses():
+def test_nvme_offload_keeps_the_optimizer_state_in_files_and_the_losses(ranks):
     # `small`: on `tiny` every partition is under DeepSpeed's 1 MiB swap minimum and NVMe changes nothing.
-    cfg = RunConfig(model="small", world_size=2, steps=2, offload="nvme", options={"offload_param": True})
-    got = labkit.launch(_nvme_rank, 2, cfg, timeout=TIMEOUT_S)
+    cfg = NVME
+    got = ranks(2)["nvme"]
     assert_close(got[0]["losses"], reference_losses(cfg))
     n_params, n = count_params(build_model("small")), 2
     for rank in got:
@@ -388,32 +415,14 @@ def test_nvme_config_and_its_refusals():
     loop.validate(["single", "deepspeed"], RunConfig(offload="nvme"))
 
 
-def test_quantized_gradients_under_the_deepspeed_launcher_on_cpu_change_nothing_the_probes_see(tmp_path):
+def test_quantized_gradients_under_the_deepspeed_launcher_on_cpu_change_nothing_the_probes_see(
+    launcher_stdout,
+):
     """qgZ accepted but a no-op: under the `deepspeed` launcher on one CPU node, DeepSpeed takes
     `zero_quantized_gradients` and runs the plain reduce-scatter. labkit refuses the flag on CPU (it does
     nothing there); with the refusal lifted, the probes see the very same collectives and bytes, and the
     losses are the plain run's."""
-    script = tmp_path / "qgz.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import json, os, sys
-            from labkit import cluster
-            from labkit.engines import deepspeed as dse, loop
-            from labkit.engines.base import RunConfig
-
-            dse.refuse_cuda_only_flags = lambda cfg: None  # let DeepSpeed itself decide what the flag does
-            cases = {"plain": {}, "qgz": {"zero_quantized_gradients": True}}
-            records = {k: loop.run("deepspeed", RunConfig(world_size=2, steps=3, options=v)) for k, v in cases.items()}
-            if os.environ["RANK"] == "0":
-                kept = {k: {"losses": r["losses"], "comm": r["comm"]} for k, r in records.items()}
-                sys.stdout.write("RECORDS " + json.dumps(kept) + "\\n")
-            cluster.leave_launched_rank(0)
-            """
-        )
-    )
-    stdout = _under_deepspeed_launcher(script)
-    line = next(x for x in stdout.splitlines() if x.startswith("RECORDS "))
+    line = next(x for x in launcher_stdout.splitlines() if x.startswith("RECORDS "))
     records = json.loads(line.removeprefix("RECORDS "))
     plain, qgz = records["plain"], records["qgz"]
     assert "all_to_all" not in qgz["comm"] and plain["comm"]["reduce_scatter"]["wire_bytes"] > 0

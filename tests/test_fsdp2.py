@@ -1,6 +1,8 @@
 """The fsdp2 engine and its features against the single-process AdamW oracle, on gloo CPU ranks.
 
-Checks are grouped into one launch per world size (starting ranks costs seconds on this machine).
+Checks are grouped into one launch per world size (starting ranks costs seconds on this machine): every
+rank-side job of this file at n ranks (`fsdp2_jobs`) in one, 4 ranks first (they save the checkpoint that
+the 2-rank launch loads).
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from unittest import mock
 import pytest
 import torch
 from engine_helpers import assert_close, reference_losses
+from launches import job, launch_jobs, train
 from torch.distributed.fsdp._fully_shard import _fsdp_common
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-import labkit
 from labkit.budget import padded_numel
 from labkit.engines import fsdp2, loop
 from labkit.engines.base import RunConfig
@@ -25,7 +27,6 @@ from labkit.model import build_model, count_params
 from labkit.probes import Probes
 
 BF16_REL = 1e-2  # bf16 compute vs the float32 oracle over 3 steps (measured below 1e-3)
-TIMEOUT_S = 300
 
 
 def _variants(cases: list[tuple[str, RunConfig]]) -> dict:
@@ -85,15 +86,65 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_fsdp2_matches_single_with_every_option(n):
-    # The defaults over 10 steps (issue 4's acceptance), each option over 3 (starting ranks is cheap,
-    # stepping them is not).
-    cases = [
+def variant_cases(n: int) -> list[tuple[str, RunConfig]]:
+    """CASES[n] as runs: the defaults over 10 steps (issue 4's acceptance), each option over 3 (starting
+    ranks is cheap, stepping them is not)."""
+    return [
         (name, replace(RunConfig(world_size=n, steps=10 if name == "default" else 3), **kw))
         for name, kw in CASES[n].items()
     ]
-    results = labkit.launch(_variants, n, cases, timeout=TIMEOUT_S)
+
+
+BYTES_CASES = [(2, "tiny", True), (3, "tiny_uneven", True), (2, "tiny", False), (4, "tiny", 2)]
+HSDP = RunConfig(world_size=4, steps=2, options={"hsdp_shard_size": 2})
+FEATURES = RunConfig(world_size=4, steps=3)
+COMPILE = RunConfig(world_size=2, steps=3)
+
+
+def bytes_cfg(n: int, model: str, reshard: bool | int) -> RunConfig:
+    return RunConfig(model=model, world_size=n, steps=2, options={"reshard_after_forward": reshard})
+
+
+def fsdp2_jobs(n: int, path: str) -> dict:
+    """Every rank-side job of this file at `n` ranks, in launch order (`path`: the DCP checkpoint's folder);
+    torch.compile's last, on a Dynamo it resets itself."""
+    jobs = {"variants": job(_variants, variant_cases(n), per_rank=True)}
+    for case in BYTES_CASES:
+        if case[0] == n:
+            jobs[f"bytes {case}"] = train("fsdp2", bytes_cfg(*case))
+    if n == 4:
+        jobs["hsdp"] = train("fsdp2", HSDP)
+        jobs["features"] = job(_features, FEATURES)
+        jobs["dcp saved"] = job(fsdp2_features.dcp_save, RunConfig(world_size=4, steps=2), path, 2)
+    if n in (2, 4):
+        jobs["dcp loaded"] = job(fsdp2_features.dcp_load, RunConfig(world_size=n), path, 2, 2)
+    if n == 2:
+        jobs["compile, inductor"] = job(fsdp2_features.compile_sharded, COMPILE)
+        jobs["compile, aot_eager"] = job(fsdp2_features.compile_sharded, COMPILE, backend="aot_eager")
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """`get(n)`: {job name: result} of `fsdp2_jobs(n)`, launched the first time a test asks for `n`; 4 ranks
+    before 2 (the DCP checkpoint)."""
+    path = str(tmp_path_factory.mktemp("fsdp2") / "ckpt")
+    launched: dict[int, dict] = {}
+
+    def get(n: int) -> dict:
+        if n == 2:
+            get(4)
+        if n not in launched:
+            launched[n] = launch_jobs(n, fsdp2_jobs(n, path))
+        return launched[n]
+
+    return get
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_fsdp2_matches_single_with_every_option(n, ranks):
+    cases = variant_cases(n)
+    results = ranks(n)["variants"]
     for name, cfg in cases:
         got = results[0][name]
         reference = reference_losses(replace(cfg, dtype="float32"))
@@ -114,13 +165,10 @@ def test_fsdp2_matches_single_with_every_option(n):
             }
 
 
-@pytest.mark.parametrize(
-    "n, model, reshard",
-    [(2, "tiny", True), (3, "tiny_uneven", True), (2, "tiny", False), (4, "tiny", 2)],
-)
-def test_fsdp2_bytes_through_the_loop_match_the_wrap_plan(n, model, reshard):
-    cfg = RunConfig(model=model, world_size=n, steps=2, options={"reshard_after_forward": reshard})
-    record = loop.run("fsdp2", cfg)
+@pytest.mark.parametrize("n, model, reshard", BYTES_CASES)
+def test_fsdp2_bytes_through_the_loop_match_the_wrap_plan(n, model, reshard, ranks):
+    cfg = bytes_cfg(n, model, reshard)
+    record = ranks(n)[f"bytes {(n, model, reshard)}"]
     unsharded = build_model(model)
     assert_close(record["losses"], reference_losses(cfg))
     predicted = fsdp2.predicted_wire_bytes(unsharded, cfg, n)
@@ -169,10 +217,10 @@ def assert_forward_prefetch(record: dict, n_blocks: int) -> None:
         assert gathers[i + 2] < block_start_s[f"blocks.{i}.forward"], f"block {i + 1} was not prefetched"
 
 
-def test_hsdp_option_of_the_engine_matches_single_and_its_plan():
+def test_hsdp_option_of_the_engine_matches_single_and_its_plan(ranks):
     # hsdp_shard_size=2 on 4 ranks: shard groups (0, 1), (2, 3); gradient shards all-reduced over (0, 2).
-    cfg = RunConfig(world_size=4, steps=2, options={"hsdp_shard_size": 2})
-    record = loop.run("fsdp2", cfg)
+    cfg = HSDP
+    record = ranks(4)["hsdp"]
     assert_close(record["losses"], reference_losses(cfg))
     wire = {k: v["wire_bytes"] for k, v in record["comm"].items()}
     assert wire == fsdp2.predicted_wire_bytes(build_model(cfg.model), cfg, 4)
@@ -212,9 +260,9 @@ def _comm_debug_beside_probe(cfg: RunConfig) -> dict:
     return {"debug": debug, "probe": probes.comm.summary(1)}
 
 
-def test_hsdp_tp_ignored_params_and_comm_debug_mode_on_four_ranks():
-    cfg = RunConfig(world_size=4, steps=3)
-    facts = labkit.launch(_features, 4, cfg, timeout=TIMEOUT_S)[0]
+def test_hsdp_tp_ignored_params_and_comm_debug_mode_on_four_ranks(ranks):
+    cfg = FEATURES
+    facts = ranks(4)["features"]
     reference = reference_losses(cfg)
 
     hsdp = facts["hsdp"]
@@ -268,11 +316,10 @@ def test_hsdp_tp_ignored_params_and_comm_debug_mode_on_four_ranks():
     )
 
 
-def test_dcp_saved_on_four_ranks_loads_on_two_bit_identical_and_resumes(tmp_path):
-    path = str(tmp_path / "ckpt")
-    saved = labkit.launch(fsdp2_features.dcp_save, 4, RunConfig(world_size=4, steps=2), path, 2)[0]
-    on_two = labkit.launch(fsdp2_features.dcp_load, 2, RunConfig(world_size=2), path, 2, 2)[0]
-    on_four = labkit.launch(fsdp2_features.dcp_load, 4, RunConfig(world_size=4), path, 2, 2)[0]
+def test_dcp_saved_on_four_ranks_loads_on_two_bit_identical_and_resumes(ranks):
+    # Saved once by the 4-rank launch and loaded after it there, in the same ranks, as in the 2-rank one.
+    saved, on_four = ranks(4)["dcp saved"], ranks(4)["dcp loaded"]
+    on_two = ranks(2)["dcp loaded"]
     assert saved["files"] == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
     for part in ("model", "optimizer"):
         want, got = saved["state"][part], on_two["state"][part]
@@ -282,9 +329,9 @@ def test_dcp_saved_on_four_ranks_loads_on_two_bit_identical_and_resumes(tmp_path
     assert_close(saved["losses"] + on_two["losses"], reference_losses(RunConfig(steps=4)))
 
 
-def test_compile_of_the_sharded_model_matches_eager():
-    cfg = RunConfig(world_size=2, steps=3)
-    facts = labkit.launch(fsdp2_features.compile_sharded, 2, cfg, timeout=TIMEOUT_S)[0]
+def test_compile_of_the_sharded_model_matches_eager(ranks):
+    cfg = COMPILE
+    facts = ranks(2)["compile, inductor"]
     if "skipped" in facts:
         pytest.skip(facts["skipped"])
     assert_close(facts["losses"], reference_losses(cfg))
@@ -293,7 +340,7 @@ def test_compile_of_the_sharded_model_matches_eager():
     assert [g["forward_of"] for g in facts["graphs"]] == ["Block"]  # inductor built kernels for the blocks
 
 
-def test_compile_compiles_the_blocks_and_never_fsdp2s_hooks():
+def test_compile_compiles_the_blocks_and_never_fsdp2s_hooks(ranks):
     # torch 2.13, as notebook 05 and docs/claims.md say: every FSDP2 hook is `torch._dynamo.disable`d. Compiling
     # the sharded model gives one graph, a Block's forward, run once per block per step; the root's forward
     # (embeddings, ln_f, head) runs eagerly, given up by Dynamo at its loop over the blocks; no collective and no
@@ -308,8 +355,8 @@ def test_compile_compiles_the_blocks_and_never_fsdp2s_hooks():
         FSDPParamGroup.post_backward,
     ]
     assert all(h.__code__ is _fsdp_common._dynamo_disable(len).__code__ for h in hooks)
-    cfg = RunConfig(world_size=2, steps=3)
-    facts = labkit.launch(fsdp2_features.compile_sharded, 2, cfg, backend="aot_eager", timeout=TIMEOUT_S)[0]
+    cfg = COMPILE
+    facts = ranks(2)["compile, aot_eager"]
     blocks = build_model(cfg.model).blocks
     for graphs in (facts["graphs"], facts["blocks_first"]["graphs"]):
         [g] = graphs

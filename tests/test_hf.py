@@ -1,7 +1,8 @@
 """Hugging Face Transformers models (labkit.hf): any output a unit returns through the scratch engine's and
 the build-along's hooks, the issue's GPT2LMHeadModel sharded by `instances_of(GPT2Block)`, and every engine
 on a small GPT-2 (tied embeddings) and a small Llama at 2, 3 and 4 ranks against `single`, each engine's
-byte plan and its own state accounting. One launch per world size serves every engine and both models."""
+byte plan and its own state accounting. One launch per world size serves every engine and both models, and
+at 2 ranks the hand-written checks above them too; one launch of `single` serves both models."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from engine_helpers import assert_close
+from launches import job, launched_on_demand, train
 from torch import nn
 
-import labkit
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import run, run_many
+from labkit.engines.loop import run_many
 from labkit.model import batch, build_model, loss_fn
 
 HF_MODELS = ("hf-gpt2", "hf-llama")
@@ -106,8 +107,10 @@ def _any_output() -> dict:
     return {"losses": losses, "held": held}
 
 
-def test_units_returning_tensors_tuples_dicts_and_dataclasses_train_like_single_and_leave_nothing_gathered():
-    for r in labkit.launch(_any_output, 2):
+def test_units_returning_tensors_tuples_dicts_and_dataclasses_train_like_single_and_leave_nothing_gathered(
+    ranks,
+):
+    for r in ranks(2)["any output"]:
         for mine, ref in r["losses"]:
             assert mine == pytest.approx(ref, rel=1e-5)
         assert r["held"] == {"no_grad": 0, "eval": 0}  # a forward with no backward keeps only the shards
@@ -160,10 +163,8 @@ def _gpt2_lm_head_model(pieces) -> dict:
     return out
 
 
-def test_the_issues_gpt2_lm_head_model_shards_by_its_own_blocks_with_ours_and_the_learners_zero3():
-    from labkit.buildalong.cells import pieces_from_notebook
-
-    for r in labkit.launch(_gpt2_lm_head_model, 2, pieces_from_notebook()):
+def test_the_issues_gpt2_lm_head_model_shards_by_its_own_blocks_with_ours_and_the_learners_zero3(ranks):
+    for r in ranks(2)["gpt2 lm head"]:
         for engine, got in r.items():
             assert got["loss"] == pytest.approx(got["single"], rel=1e-5), engine
             assert got["worst_grad"] < 1e-4, engine
@@ -179,29 +180,46 @@ AT = {2: ENGINES, 3: PREFETCHING, 4: PREFETCHING}
 
 @pytest.fixture(scope="module")
 def singles() -> dict[str, list[float]]:
-    """`single`'s losses per model: the global batch, whatever the world size (one run serves 2, 3, 4)."""
-    return {m: run("single", RunConfig(model=m, steps=STEPS))["losses"] for m in HF_MODELS}
+    """`single`'s losses per model: the global batch, whatever the world size (one run serves 2, 3, 4); both
+    models in one launch."""
+    records = run_many([("single", RunConfig(model=m, steps=STEPS)) for m in HF_MODELS])
+    return {m: rec["losses"] for m, rec in zip(HF_MODELS, records, strict=True)}
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4])
-def hf_runs(request) -> tuple[int, dict]:
-    """{(engine, model): (cfg, record)}, one launch for every engine and both models; at 3 ranks the
-    prefetching engines run with prefetch off."""
-    n = request.param
-    engines = AT[n]
-    runs = [
+def engine_runs(n: int) -> list[tuple[str, RunConfig]]:
+    """Every engine of AT[n] on both models; at 3 ranks the prefetching engines run with prefetch off."""
+    return [
         (e, RunConfig(model=m, world_size=n, steps=STEPS, prefetch=not (n == 3 and e in PREFETCHING)))
         for m in HF_MODELS
-        for e in engines
+        for e in AT[n]
     ]
-    records = run_many(runs)
-    return n, {(e, cfg.model): (cfg, rec) for (e, cfg), rec in zip(runs, records, strict=True)}
 
 
-def test_every_engine_on_hugging_face_models_matches_single_its_plan_and_its_accounting(hf_runs, singles):
+def hf_jobs(n: int) -> dict:
+    """Every rank-side job of this file at `n` ranks, in launch order: at 2, the hand-written checks first."""
+    jobs = {}
+    if n == 2:
+        from labkit.buildalong.cells import pieces_from_notebook
+
+        jobs["any output"] = job(_any_output, per_rank=True)
+        jobs["gpt2 lm head"] = job(_gpt2_lm_head_model, pieces_from_notebook(), per_rank=True)
+    for engine, cfg in engine_runs(n):
+        jobs[engine, cfg.model] = train(engine, cfg)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """`get(n)`: {job name, or (engine, model): result} of `hf_jobs(n)`, launched the first time a test asks."""
+    return launched_on_demand(hf_jobs)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_engine_on_hugging_face_models_matches_single_its_plan_and_its_accounting(n, ranks, singles):
     from labkit.engines import deepspeed, fsdp1, fsdp2, scratch
 
-    n, out = hf_runs
+    launched = ranks(n)
+    out = {(e, cfg.model): (cfg, launched[e, cfg.model]) for e, cfg in engine_runs(n)}
     accounting = {
         scratch: scratch.state_bytes_accounting,
         fsdp1: fsdp1.state_bytes_accounting,

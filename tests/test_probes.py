@@ -1,5 +1,8 @@
 """The probes: bytes per collective against the ring formula (hand-issued collectives on 2, 3 and 4 ranks,
-odd sizes, subgroups), the emulated link and its overlap, the timeline, state bytes and CPU peak memory."""
+odd sizes, subgroups), the emulated link and its overlap, the timeline, state bytes and CPU peak memory.
+
+The hand-issued checks at n ranks share one launch (`probe_jobs`); the loop's runs keep a launch of their own.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from launches import job, launched_on_demand
 
-import labkit
 from labkit.probes import PeakMemory, Probes, exposed_comm_s, state_bytes
 
 F32 = 4  # bytes per float32 element
@@ -50,8 +53,8 @@ def _issue_collectives() -> dict:
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_bytes_per_collective_follow_the_ring_formula(n):
-    results = labkit.launch(_issue_collectives, n)
+def test_bytes_per_collective_follow_the_ring_formula(n, ranks):
+    results = ranks(n)["collectives"]
     expected_payload = {
         "all_gather": 7 * n * F32 + 7 * n * BF16 + 3 * n * F32,
         "reduce_scatter": 2 * 5 * n * F32,
@@ -104,8 +107,8 @@ def _subgroups() -> list:
     return [(c.kind, c.payload_bytes, c.wire_bytes, c.group_size, c.group_ranks) for c in probes.comm.calls]
 
 
-def test_subgroup_calls_use_the_group_size_and_record_its_ranks():
-    calls = labkit.launch(_subgroups, 4)
+def test_subgroup_calls_use_the_group_size_and_record_its_ranks(ranks):
+    calls = ranks(4)["subgroups"]
     pair_ag = ("all_gather", 18 * F32, ring("all_gather", 18 * F32, 2), 2)
     trio_ar = ("all_reduce", 10 * F32, ring("all_reduce", 10 * F32, 3), 3, (0, 2, 3))
     assert calls[0] == [(*pair_ag, (0, 1)), trio_ar]
@@ -161,8 +164,8 @@ def _stacked_patches() -> dict:
     }
 
 
-def test_patches_stack_tracker_then_probe_then_a_watcher_and_come_off_in_reverse_order():
-    for r in labkit.launch(_stacked_patches, 2):
+def test_patches_stack_tracker_then_probe_then_a_watcher_and_come_off_in_reverse_order(ranks):
+    for r in ranks(2)["stacked patches"]:
         assert r["stacked"] and r["restored"] and r["looks_like_torch"]
         # the outermost patches see the call made, not the one torch makes inside it
         assert r["seen"] == r["probed"] == ["reduce_scatter_tensor", "all_reduce"]
@@ -212,8 +215,8 @@ def _deepspeed_backend_built_before_the_probe() -> dict:
     }
 
 
-def test_a_deepspeed_backend_built_before_the_probe_is_still_measured():
-    for r in labkit.launch(_deepspeed_backend_built_before_the_probe, 2):
+def test_a_deepspeed_backend_built_before_the_probe_is_still_measured(ranks):
+    for r in ranks(2)["deepspeed backend"]:
         assert r["rebound"] and r["restored"] and r["gathered"] == [0.0, 1.0]
         assert r["summary"]["all_gather"] == {"calls": 1, "payload_bytes": 8000, "wire_bytes": 4000}
 
@@ -271,9 +274,9 @@ def _link() -> dict:
     return out
 
 
-def test_emulated_link_delays_collectives_and_an_overlapped_one_exposes_almost_nothing():
+def test_emulated_link_delays_collectives_and_an_overlapped_one_exposes_almost_nothing(ranks):
     link_s = ELEMENTS * F32 / (LINK_GBYTES * 1e9) - 1e-6  # minus float rounding of the event times
-    for r in labkit.launch(_link, 2):
+    for r in ranks(2)["link"]:
         assert r["wire_bytes"] == ELEMENTS * F32
         assert r["sync_s"] >= link_s
         assert r["sync_exposed_s"] >= link_s
@@ -294,8 +297,8 @@ def _dtensor_state() -> dict:
     return state_bytes({"params": [param], "grads": [flat[:50], flat[50:]], "optimizer": [flat[:10]]})
 
 
-def test_state_bytes_count_local_shards_and_shared_storage_once():
-    for r in labkit.launch(_dtensor_state, 2):
+def test_state_bytes_count_local_shards_and_shared_storage_once(ranks):
+    for r in ranks(2)["dtensor state"]:
         assert r == {"params": 5 * 4 * F32, "grads": 100 * F32, "optimizer": 0}
 
 
@@ -417,12 +420,12 @@ def _held_after_wait(n: int) -> dict:
     return out
 
 
-def test_the_comm_probe_syncs_at_issue_return_and_both_ends_of_a_wait_and_settles_buffers_for_a_peak():
+def test_the_comm_probe_syncs_at_issue_return_and_both_ends_of_a_wait_and_settles_buffers_for_a_peak(ranks):
     """Each edge of a collective syncs the timeline. And gloo's worker thread drops a Work a moment after
     waking its waiter: buffers it dropped last would be freed on that thread at a time no run repeats. While
     a CPU peak is measured, wait() lets go of the Work and returns once the backend holds no reference to
     the buffers (a sync call too), so the caller's own drop frees them."""
-    for r in labkit.launch(_comm_edges, 2):
+    for r in ranks(2)["comm edges"]:
         assert r["sync"] == 2 and r["total"] == 2 + 3
         assert r["kinds"] == [("comm", "all_reduce"), ("wait", "all_reduce")]
         assert r["unmeasured"][0] > 1 and r["unmeasured"][1] > 1
@@ -484,3 +487,30 @@ def test_offload_on_cpu_ranks_shows_the_optimizer_in_host_buffers_and_records_a_
     for rec in (plain, offloaded):
         assert len(rec["mem_baseline_bytes"]) == 2
         assert all(0 < b <= p for b, p in zip(rec["mem_baseline_bytes"], rec["peak_mem_bytes"], strict=True))
+
+
+# ------------------------------------------------------------------------------------------ the launches
+
+
+def probe_jobs(n: int) -> dict:
+    """The hand-issued checks at `n` ranks, every rank's result of each, in launch order: DeepSpeed's
+    backend last (it initialises DeepSpeed's comm for the process)."""
+    jobs = {"collectives": job(_issue_collectives, per_rank=True)}
+    if n == 4:
+        jobs["subgroups"] = job(_subgroups, per_rank=True)
+    if n == 2:
+        for name, fn in (
+            ("stacked patches", _stacked_patches),
+            ("link", _link),
+            ("dtensor state", _dtensor_state),
+            ("comm edges", _comm_edges),
+            ("deepspeed backend", _deepspeed_backend_built_before_the_probe),
+        ):
+            jobs[name] = job(fn, per_rank=True)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """`get(n)`: {job name: every rank's result} of `probe_jobs(n)`, launched the first time a test asks."""
+    return launched_on_demand(probe_jobs)

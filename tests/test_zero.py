@@ -1,14 +1,20 @@
-"""The from-scratch ZeRO-3 against the single-process oracle: losses, layouts, hooks, state, checkpoints."""
+"""The from-scratch ZeRO-3 against the single-process oracle: losses, layouts, hooks, state, checkpoints.
+
+Every rank-side check at n ranks shares one launch (`zero_launch(n)`, jobs in `zero_jobs`); the 4-rank one
+goes first, as it writes the checkpoint that the 2- and 3-rank ones resume from.
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from engine_helpers import assert_close, reference_losses
+from launches import Job, job, launch_jobs, train
 from torch import nn
 
 import labkit
@@ -18,7 +24,7 @@ from labkit.cli import main
 from labkit.collectives import Patch
 from labkit.engines import scratch
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import rank_info, run, train_steps, validate
+from labkit.engines.loop import rank_info, train_steps, validate
 from labkit.model import batch, build_model, count_params, loss_fn
 from labkit.probes import state_bytes
 from labkit.zero import ShardedAdamW, ZeRO3, checkpoint
@@ -38,6 +44,26 @@ VARIANTS = [  # (prefetch, offload, reshard_after_forward)
     (True, "cpu", True),
     (False, "cpu", False),
 ]
+MODELS = ["tiny", "tiny_uneven"]
+BF16 = RunConfig(model="tiny", world_size=2, steps=6, dtype="bfloat16")
+CHECKPOINT = RunConfig(model="tiny_uneven", world_size=4, steps=3)  # saved on 4 ranks, resumed on 4, 2, 3
+TINY_CHECKPOINT = RunConfig(model="tiny", world_size=2, steps=1)  # what another model's load refuses
+WIRE_CASES = [  # (model, n, dtype, reshard_after_forward, hsdp_shard_size, split_root)
+    ("tiny_uneven", 3, "float32", True, None, True),
+    ("tiny_uneven", 3, "float32", True, None, False),  # one root, gathered twice
+    ("tiny", 4, "bfloat16", False, None, True),
+    ("tiny_uneven", 2, "float32", True, None, True),
+    ("tiny_uneven", 4, "float32", True, 2, True),  # HSDP: padding to 2 rows inside each shard group
+    ("tiny", 2, "float32", False, 1, True),  # HSDP's limit: shard groups of 1 rank are DDP's all-reduce
+]
+
+
+def wire_cfg(model: str, n: int, dtype: str, reshard: bool, hsdp: int | None, split: bool) -> RunConfig:
+    """The 2-step run of a WIRE_CASES row."""
+    options = {"split_root": split} | ({} if hsdp is None else {"hsdp_shard_size": hsdp})
+    return RunConfig(
+        model=model, world_size=n, steps=2, dtype=dtype, reshard_after_forward=reshard, options=options
+    )
 
 
 # ------------------------------------------------------------------------------------------ sharding
@@ -84,13 +110,13 @@ def _train_variants(cfg: RunConfig) -> list[list[float]]:
     return out
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny_uneven"])
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_losses_match_single_with_prefetch_and_offload_on_and_off(model, n):
+def test_losses_match_single_with_prefetch_and_offload_on_and_off(model, n, zero_launch):
     cfg = RunConfig(model=model, world_size=n, steps=10)
     reference = reference_losses(cfg)
-    for _ in range(2):  # twice: a race would show up as a difference between runs
-        variants = labkit.launch(_train_variants, n, cfg)[0]
+    for repeat in range(2):  # twice: a race would show up as a difference between runs
+        variants = zero_launch(n)[f"losses {model} {repeat}"]
         for (prefetch, offload, raf), losses in zip(VARIANTS, variants, strict=True):
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
             assert rel < 1e-4, (prefetch, offload, raf, rel)
@@ -100,9 +126,9 @@ def _bf16_losses(cfg: RunConfig) -> list[float]:
     return train_steps(scratch.build(cfg, build_model(cfg.model, cfg.seed), rank_info()), cfg)
 
 
-def test_bfloat16_compute_stays_within_two_percent_of_float32():
-    cfg = RunConfig(model="tiny", world_size=2, steps=6, dtype="bfloat16")
-    losses = labkit.launch(_bf16_losses, 2, cfg)[0]
+def test_bfloat16_compute_stays_within_two_percent_of_float32(zero_launch):
+    cfg = BF16
+    losses = zero_launch(2)["bf16"]
     reference = reference_losses(cfg)
     assert max(abs(a - b) / b for a, b in zip(losses, reference, strict=True)) < 2e-2
     assert losses[-1] < losses[0]
@@ -135,8 +161,8 @@ def _hook_trace(prefetch: bool):
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_hooks_fire_in_order_and_prefetch_makes_gathers_async(prefetch):
-    trace, gathers = labkit.launch(_hook_trace, 2, prefetch)[0]
+def test_hooks_fire_in_order_and_prefetch_makes_gathers_async(prefetch, zero_launch):
+    trace, gathers = zero_launch(2)[f"hooks, prefetch={prefetch}"]
     step = trace[: len(trace) // 2]
     units = ["root"] + [f"blocks.{i}" for i in range(4)]
     assert [u for m, u in step if m == "before_forward"] == units
@@ -200,8 +226,8 @@ def _unit_transitions() -> dict:
     }
 
 
-def test_a_unit_moves_sharded_gathering_unsharded_and_an_illegal_transition_raises_a_sentence():
-    for r in labkit.launch(_unit_transitions, 2):
+def test_a_unit_moves_sharded_gathering_unsharded_and_an_illegal_transition_raises_a_sentence(zero_launch):
+    for r in zero_launch(2)["unit transitions"]:
         assert r["states"] == [
             ShardedState.SHARDED,
             ShardedState.GATHERING,
@@ -238,9 +264,8 @@ def _state_bytes(cfg: RunConfig) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_state_bytes_per_rank_are_16_bytes_per_param_over_n_plus_padding(n):
-    cfg = RunConfig(model="tiny_uneven", world_size=n, steps=1)
-    states = labkit.launch(_state_bytes, n, cfg)
+def test_state_bytes_per_rank_are_16_bytes_per_param_over_n_plus_padding(n, zero_launch):
+    states = zero_launch(n)["state bytes"]
     padded = sum(budget.padded_numel(tuple(p.shape), n) for p in build_model("tiny_uneven").parameters())
     for state in states:
         assert state["params"] == state["grads"] == 4 * padded // n
@@ -262,10 +287,11 @@ def _train_save_resume(cfg: RunConfig, path: str, mode: str) -> list[float]:
 
 
 @pytest.mark.parametrize("resume_on", [4, 2, 3])
-def test_a_checkpoint_of_4_ranks_resumes_on_any_world_size(tmp_path, resume_on):
-    cfg = RunConfig(model="tiny_uneven", world_size=4, steps=3)
-    uninterrupted = labkit.launch(_train_save_resume, 4, cfg, str(tmp_path), "save")[0]
-    resumed = labkit.launch(_train_save_resume, resume_on, cfg, str(tmp_path), "load")[0]
+def test_a_checkpoint_of_4_ranks_resumes_on_any_world_size(resume_on, zero_launch):
+    # Saved once, by the 4-rank launch; each launch loads it into an engine built afresh (4 ranks: after
+    # the save, in the same ranks), then trains the same steps as the saving run did after its save.
+    uninterrupted = zero_launch(4)["checkpoint saved"]
+    resumed = zero_launch(resume_on)["checkpoint resumed"]
     if resume_on == 4:
         assert resumed == uninterrupted  # bit for bit
     else:
@@ -278,13 +304,12 @@ def _load_into(path: str, model_name: str):
     checkpoint.load(path, engine.zero, engine.optimizer)
 
 
-def test_a_checkpoint_of_another_model_or_no_checkpoint_is_refused_in_one_sentence(tmp_path):
-    cfg = RunConfig(model="tiny", world_size=2, steps=1)
-    labkit.launch(_train_save_resume, 2, cfg, str(tmp_path / "ck"), "save")
+def test_a_checkpoint_of_another_model_or_no_checkpoint_is_refused_in_one_sentence(zero_launch, zero_dir):
+    zero_launch(2)  # saved tiny's checkpoint (TINY_CHECKPOINT) under zero_dir
     with pytest.raises(labkit.LaunchError, match="is of another model"):
-        labkit.launch(_load_into, 2, str(tmp_path / "ck"), "tiny_uneven")
+        labkit.launch(_load_into, 2, str(zero_dir / "tiny"), "tiny_uneven")
     with pytest.raises(labkit.LaunchError, match="holds no labkit checkpoint"):
-        labkit.launch(_load_into, 2, str(tmp_path / "nothing"), "tiny")
+        labkit.launch(_load_into, 2, str(zero_dir / "nothing"), "tiny")
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -305,23 +330,12 @@ def test_a_module_without_blocks_is_refused_and_one_rank_is_a_valid_degenerate_z
 # ------------------------------------------------------------------------------------------ bytes
 
 
-@pytest.mark.parametrize(
-    "model,n,dtype,reshard,hsdp,split",
-    [
-        ("tiny_uneven", 3, "float32", True, None, True),
-        ("tiny_uneven", 3, "float32", True, None, False),  # one root, gathered twice
-        ("tiny", 4, "bfloat16", False, None, True),
-        ("tiny_uneven", 2, "float32", True, None, True),
-        ("tiny_uneven", 4, "float32", True, 2, True),  # HSDP: padding to 2 rows inside each shard group
-        ("tiny", 2, "float32", False, 1, True),  # HSDP's limit: shard groups of 1 rank are DDP's all-reduce
-    ],
-)
-def test_measured_wire_bytes_are_the_formula_for_the_padded_model(model, n, dtype, reshard, hsdp, split):
-    options = {"split_root": split} | ({} if hsdp is None else {"hsdp_shard_size": hsdp})
-    cfg = RunConfig(
-        model=model, world_size=n, steps=2, dtype=dtype, reshard_after_forward=reshard, options=options
-    )
-    record = run("scratch", cfg)
+@pytest.mark.parametrize("model,n,dtype,reshard,hsdp,split", WIRE_CASES)
+def test_measured_wire_bytes_are_the_formula_for_the_padded_model(
+    model, n, dtype, reshard, hsdp, split, zero_launch
+):
+    cfg = wire_cfg(model, n, dtype, reshard, hsdp, split)
+    record = zero_launch(n)[f"wire {(model, n, dtype, reshard, hsdp, split)}"]
     comm = record["comm"]
     predicted = scratch.predicted_wire_bytes(build_model(model), cfg, n)
     assert {k: v["wire_bytes"] for k, v in comm.items()} == predicted
@@ -452,8 +466,10 @@ def _split_trace_and_losses(depth: int, steps: int = 3) -> tuple[list, list[floa
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_the_split_root_runs_input_blocks_output_keeps_the_output_across_the_turn_and_matches_single(depth):
-    trace, losses = labkit.launch(_split_trace_and_losses, 3, depth)[0]
+def test_the_split_root_runs_input_blocks_output_keeps_the_output_across_the_turn_and_matches_single(
+    depth, zero_launch
+):
+    trace, losses = zero_launch(3)[f"split root, depth {depth}"]
     step = trace[: len(trace) // 3]
     units = ["input", "blocks.0", "blocks.1", "blocks.2", "output"]
     assert [u for m, u in step if m == "before_forward"] == units
@@ -484,3 +500,55 @@ def test_the_floor_of_the_split_plan_is_the_input_unit_and_block_0s_forward_gath
     timed = scratch.exposed_floor(model, replace(cfg, link_gbytes=1.0), 2)
     assert timed["floor_s"] == pytest.approx(floor["floor_wire_bytes"] / 1e9)
     assert timed["comm_s"] == pytest.approx(floor["comm_wire_bytes"] / 1e9)
+
+
+# ------------------------------------------------------------------------------------------ the launches
+
+
+def zero_jobs(n: int, path: str) -> dict[str, Job]:
+    """Every rank-side job of this file at `n` ranks, in launch order (`path`: the checkpoints' folder)."""
+    jobs = {
+        f"losses {model} {repeat}": job(_train_variants, RunConfig(model=model, world_size=n, steps=10))
+        for model in MODELS
+        for repeat in range(2)
+    }
+    for case in WIRE_CASES:
+        if case[1] == n:
+            jobs[f"wire {case}"] = train("scratch", wire_cfg(*case))
+    if n in (2, 3):
+        cfg = RunConfig(model="tiny_uneven", world_size=n, steps=1)
+        jobs["state bytes"] = job(_state_bytes, cfg, per_rank=True)
+    if n == 2:
+        jobs["bf16"] = job(_bf16_losses, BF16)
+        for prefetch in (True, False):
+            jobs[f"hooks, prefetch={prefetch}"] = job(_hook_trace, prefetch)
+        jobs["unit transitions"] = job(_unit_transitions, per_rank=True)
+        jobs["tiny checkpoint"] = job(_train_save_resume, TINY_CHECKPOINT, f"{path}/tiny", "save")
+    if n == 3:
+        for depth in (1, 2):
+            jobs[f"split root, depth {depth}"] = job(_split_trace_and_losses, depth)
+    if n == 4:
+        jobs["checkpoint saved"] = job(_train_save_resume, CHECKPOINT, f"{path}/4", "save")
+    jobs["checkpoint resumed"] = job(_train_save_resume, CHECKPOINT, f"{path}/4", "load")
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def zero_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("zero")
+
+
+@pytest.fixture(scope="module")
+def zero_launch(zero_dir):
+    """`get(n)`: {job name: rank 0's result (every rank's for a per-rank job)} of `zero_jobs(n)`, launched the
+    first time a test asks for `n`; 4 ranks first, whose checkpoint the others resume."""
+    launched: dict[int, dict] = {}
+
+    def get(n: int) -> dict:
+        if n != 4:
+            get(4)
+        if n not in launched:
+            launched[n] = launch_jobs(n, zero_jobs(n, str(zero_dir)))
+        return launched[n]
+
+    return get

@@ -67,14 +67,17 @@ def gathered(unit, rows: bool = True) -> Gathered:
     return Gathered(refs, blocks)
 
 
-def held_bytes(unit, seen: Gathered | None = None, anywhere: bool = False) -> int:
+def held_bytes(
+    unit, seen: Gathered | None = None, anywhere: bool = False, before: frozenset = frozenset()
+) -> int:
     """Full-tensor bytes `unit` holds now: the storages of every tensor its fields reach (its parameters,
     `pending`, any attribute the student added; tensors, tuples, lists, dicts, dataclasses) and those of
     `seen.storages` still alive: its parameters' storages when its weights were last gathered. A free that
     swaps a parameter's tensor (`p.data = torch.empty(0)`) leaves the gathered storage to autograd, which
     saved it in forward. `anywhere`: also every storage Python reaches that holds a block of
-    `seen.others_rows` (a copy kept in the answers' globals). Each storage once, its shards' and their
-    gradients' left out; a freed one holds 0 B.
+    `seen.others_rows` (a copy kept in the answers' globals), but for those at the addresses in `before`
+    (alive before the run began: a forked rank's copy of its parent's tensors, which may hold the same
+    weights). Each storage once, its shards' and their gradients' left out; a freed one holds 0 B.
     """
     from labkit.probes.memory import storages
     from labkit.zero.outputs import output_tensors
@@ -86,7 +89,8 @@ def held_bytes(unit, seen: Gathered | None = None, anywhere: bool = False) -> in
         held.update((st.data_ptr(), st.nbytes()) for st in (ref() for ref in seen.storages) if st is not None)
         if anywhere and seen.others_rows:
             held.update(
-                (st.data_ptr(), st.nbytes()) for st in _holding(seen.others_rows, skip=own | set(held))
+                (st.data_ptr(), st.nbytes())
+                for st in _holding(seen.others_rows, skip=own | set(held) | before)
             )
     return sum(nbytes for ptr, nbytes in held.items() if ptr not in own)
 
@@ -115,6 +119,22 @@ def _holding(blocks: list[bytes], skip: set[int]) -> list:
     return list(found.values())
 
 
+def _alive_now() -> list:
+    """Weak references to the storages of every tensor Python reaches now (a storage freed later, whose
+    address a new tensor may reuse, is then no longer among them)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from labkit.probes.memory import storages
+
+    gc.collect()
+    return [
+        weakref.ref(st) for st in storages(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+    ]
+
+
 def _raw(t) -> bytes:
     """The bytes of a contiguous CPU tensor, through a copy (a storage numpy has viewed cannot be resized:
     the student's `load` and `free` must still work)."""
@@ -130,6 +150,7 @@ class Watch:
 
     def __init__(self, pieces):
         self.pieces = pieces
+        self._before = _alive_now()  # made in the rank before the model: what the run's tensors are not
         self.after_forward: dict[str, int] = {}
         self.after_grad: dict[str, dict] = {}
         self.peak = {"bytes": 0, "unit": ""}
@@ -171,7 +192,8 @@ class Watch:
         judges read), where the comm probe also frees a collective's buffers in the program's own order."""
         from labkit.probes.memory import measuring_cpu
 
-        return held_bytes(unit, self.gathered.get(unit.name), anywhere and measuring_cpu())
+        before = frozenset(st.data_ptr() for st in (ref() for ref in self._before) if st is not None)
+        return held_bytes(unit, self.gathered.get(unit.name), anywhere and measuring_cpu(), before)
 
     def _after_forward(self, moment, unit) -> None:
         moment(unit)
