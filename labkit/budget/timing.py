@@ -151,9 +151,8 @@ def step_time(
     (`machine_flops_per_s`); a third forward and two thirds backward (activation checkpointing adds a
     forward inside the backward: 8 N tokens). Each phase's link time overlaps its compute by
     `_overlap_exposed_s`; the backend's own time (`Term.backend_s`: on a CPU its copies run on the cores
-    that compute), the after-step all-gather, the offload transfers and CPU Adam do not overlap.
-
-    Without prefetch each rank also waits for the last to arrive at every all-gather (`sync_wait_s`).
+    that compute), the after-step all-gather, the offload transfers and CPU Adam do not overlap; without
+    prefetch each rank also waits for the last to arrive at every all-gather (`sync_wait_s`).
     """
     per_token = 8.0 if p.activation_checkpointing else 6.0
     flops = per_token * p.params * p.tokens_per_rank
@@ -182,7 +181,8 @@ def step_time(
         + _overlap_exposed_s(by_phase["backward_reduce"], bwd_k, p.layers)
         + by_phase["step"]
     )
-    exposed = exposed_prefetch if p.prefetch else exposed_no_prefetch + sync_wait_s(p, terms, machine)
+    waits_s = sync_wait_s(p, terms, machine)  # 0 with prefetch
+    exposed = (exposed_prefetch if p.prefetch else exposed_no_prefetch) + waits_s
     return {
         "flops_per_rank": flops,
         "compute_time_s": compute_time_s,
@@ -193,7 +193,7 @@ def step_time(
         "exposed_comm_s": exposed,
         "exposed_comm_prefetch_s": exposed_prefetch,
         "exposed_comm_no_prefetch_s": exposed_no_prefetch,
-        "sync_wait_s": sync_wait_s(p, terms, machine),
+        "sync_wait_s": waits_s,
         "offload_time_s": offload_time_s,
         "host_optimizer_time_s": host_adam_s,
         "step_time_s": compute_time_s + exposed + offload_time_s + host_adam_s,

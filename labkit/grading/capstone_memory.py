@@ -122,17 +122,11 @@ def _holding(blocks: list[bytes], skip: set[int]) -> list:
 def _alive_now() -> list:
     """Weak references to the storages of every tensor Python reaches now (a storage freed later, whose
     address a new tensor may reuse, is then no longer among them)."""
-    import gc
     import weakref
 
-    import torch
+    from labkit.probes.memory import reachable_storages
 
-    from labkit.probes.memory import storages
-
-    gc.collect()
-    return [
-        weakref.ref(st) for st in storages(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
-    ]
+    return [weakref.ref(st) for st in reachable_storages()]
 
 
 def _raw(t) -> bytes:

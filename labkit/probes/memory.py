@@ -138,7 +138,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.prior_bytes = torch.cuda.memory_allocated(self.device)
         else:  # each storage once, as `_LiveStorages` counts them (no tracker: nothing is watched yet)
-            prior = {id(st): st for st in _reachable_storages()}
+            prior = {id(st): st for st in reachable_storages()}
             self._prior = {key: weakref.ref(st) for key, st in prior.items()}
             self.prior_bytes = sum(st.nbytes() for st in prior.values())
         return self.prior_bytes
@@ -151,7 +151,7 @@ class PeakMemory:
             self.start_bytes = torch.cuda.memory_allocated(self.device) - self.prior_bytes
             return
         self._tracker = _LiveStorages(skip=self._prior)
-        self._tracker.add(_reachable_storages())
+        self._tracker.add(reachable_storages())
         self._tracker.add(storages(state_tensors))
         self.start_bytes = self._tracker.live_bytes
         self._tracker.start()
@@ -172,7 +172,7 @@ class PeakMemory:
         return self.peak_bytes
 
 
-def _reachable_storages() -> list[torch.UntypedStorage]:
+def reachable_storages() -> list[torch.UntypedStorage]:
     """The storages of every tensor Python can reach, once the garbage of reference cycles is collected."""
     gc.collect()
     reachable = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]  # no __class__ lookups
