@@ -8,13 +8,15 @@ import dataclasses
 from pathlib import Path
 
 import nbformat
+import planted
 import pytest
 import torch
 import torch.distributed as dist
+from planted import FILLED
 
 import labkit
 from labkit.buildalong import Learner, Pieces, attach, checks
-from labkit.buildalong.cells import build_cells, notebook_namespace, pieces_from_notebook
+from labkit.buildalong.cells import build_cells, pieces_from_notebook
 from labkit.buildalong.stubs import NotWritten, write_this_piece
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
@@ -23,7 +25,6 @@ from labkit.model import batch, build_model
 
 MODEL = "tiny_uneven"
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02_zero3_from_scratch.ipynb"
-FILLED = notebook_namespace()  # the instructor's copy: the build cells filled
 PIECES = pieces_from_notebook()
 
 
@@ -125,24 +126,6 @@ def test_attach_needs_shard_and_the_loop_takes_a_learner_object():
 # ------------------------------------------------------------------------------------------------ checks
 
 
-def _after_grad(op=dist.ReduceOp.SUM, divide=True, drop_grad=True, free=True):
-    """The reference after_grad with one thing changed."""
-
-    def after_grad(unit):
-        for p, s in zip(unit.params, unit.shards, strict=True):
-            padded = p.grad.new_zeros((unit.n * s.shape[0], *s.shape[1:]))
-            padded[: p.grad.shape[0]] = p.grad
-            summed = torch.empty_like(s)
-            dist.reduce_scatter_single(summed, padded, op=op, group=unit.group)
-            s.grad = summed / unit.n if divide else summed
-            if drop_grad:
-                p.grad = None
-            if free:
-                FILLED["free"](p)
-
-    return after_grad
-
-
 def _swap_free(unit):  # frees by giving each parameter a new empty tensor
     for p in unit.params:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -211,22 +194,22 @@ PLANTED = {  # name: (step, pieces, words the sentence must contain)
     ),
     "mean instead of a sum": (
         "reduce_scatter",
-        dataclasses.replace(P, after_grad=_after_grad(dist.ReduceOp.AVG)),
+        dataclasses.replace(P, after_grad=planted.after_grad(dist.ReduceOp.AVG)),
         ["every gradient is 0.33 x single's: the mean was taken twice"],
     ),
     "not divided by n": (
         "reduce_scatter",
-        dataclasses.replace(P, after_grad=_after_grad(divide=False)),
+        dataclasses.replace(P, after_grad=planted.after_grad(divide=False)),
         ["every gradient is 3.00 x single's: after_grad did not divide by n", "divide that sum by n = 3"],
     ),
     "full grads kept": (
         "reduce_scatter",
-        dataclasses.replace(P, after_grad=_after_grad(drop_grad=False)),
+        dataclasses.replace(P, after_grad=planted.after_grad(drop_grad=False)),
         ["full gradients are still there", "p.grad = None"],
     ),
     "weights kept after grad": (
         "reduce_scatter",
-        dataclasses.replace(P, after_grad=_after_grad(free=False)),
+        dataclasses.replace(P, after_grad=planted.after_grad(free=False)),
         ["still hold full weights", "free them in after_grad"],
     ),
     "AdamW on copies": (

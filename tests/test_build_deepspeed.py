@@ -74,6 +74,10 @@ def results() -> dict[str, list]:
             config,
             _define([_planted(step_src, "engine.backward(loss)", "loss.backward()")])["train_step"],
         ),
+        "mean taken twice": (
+            config,
+            _define([_planted(step_src, "engine.backward(loss)", "engine.backward(loss / 2)")])["train_step"],
+        ),
         "config stub": (stubs["zero3_config"], step),
         "step stub": (config, stubs["train_step"]),
     }
@@ -109,6 +113,12 @@ def test_planted_mistakes_fail_with_the_sentence_that_names_them(results):
     torch_style = _said(results["loss.backward"])
     assert all(ok for ok, _ in torch_style.values()), torch_style
     assert "you called loss.backward(): DeepSpeed 0.19.8 hooks it" in torch_style["losses"][1]
+    # Half the gradient trains to single's losses under AdamW: only the gradients see it.
+    halved = _said(results["mean taken twice"])
+    assert (
+        not halved["gradients"][0] and "0.50 x single's: the mean was taken twice" in halved["gradients"][1]
+    )
+    assert halved["losses"][0] and halved["bytes"][0], halved
 
 
 def test_the_stubs_say_write_this_piece(results):

@@ -50,6 +50,16 @@ def blocks_not_wrapped(model, mesh, mp_policy):
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
+def summed_gradients(model, mesh, mp_policy):
+    """Every unit reduce-scatters the sum of the ranks' gradients: n x single's, which AdamW hides."""
+    _blocks(model, mesh, mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    _prefetch_next(model)
+    for unit in [*model.blocks, model]:
+        unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM: SUM, then FSDP2's own division
+        unit.set_gradient_divide_factor(1.0)  # ... by 1
+
+
 @pytest.fixture(scope="module")
 def results():
     cell = _build_cell()
@@ -58,6 +68,7 @@ def results():
         "root_not_wrapped": root_not_wrapped,
         "no_prefetch": no_prefetch,
         "blocks_not_wrapped": blocks_not_wrapped,
+        "summed_gradients": summed_gradients,
         "stub": _defined(cell.metadata["labkit"]["stub"]),
     }
     found = run_fully_shard_checks(list(cases.values()), world_size=3, model="tiny_uneven", quiet=True)
@@ -69,6 +80,7 @@ def test_the_filled_build_cell_passes_every_property(results):
     assert list(filled) == list(PROPERTIES) and all(r.ok for r in filled.values()), filled
     assert filled["bytes"].figures["measured"] == filled["bytes"].figures["plan"]
     assert filled["losses"].figures["largest_rel_diff"] < 1e-4
+    assert "equal single's on the global batch" in filled["gradients"].sentence
     assert filled["prefetch"].figures["lists"] == {
         "blocks.0": ["blocks.1"],
         "blocks.1": ["blocks.2"],
@@ -87,7 +99,11 @@ def test_each_planted_mistake_fails_with_its_sentence(results):
     whole = results["blocks_not_wrapped"]
     assert whole["placements"].sentence.startswith("one FSDP unit holds all") and not whole["placements"].ok
     assert not whole["prefetch"].ok and not whole["bytes"].ok
-    assert whole["losses"].ok  # right numbers, wrong memory and traffic: only the layout and the bytes say so
+    assert whole["losses"].ok and whole["gradients"].ok  # right numbers, wrong memory and traffic
+    summed = results["summed_gradients"]
+    assert not summed["gradients"].ok and "3.00 x single's" in summed["gradients"].sentence
+    assert "summed, not averaged" in summed["gradients"].sentence
+    assert summed["placements"].ok and summed["bytes"].ok  # only the gradients can see it
 
 
 def test_the_stub_says_write_this_piece(results):

@@ -12,16 +12,17 @@ import re
 from pathlib import Path
 
 import nbformat
+import planted
 import pytest
 import torch
 import torch.distributed as dist
+from planted import FILLED
 
 from labkit.buildalong import checks, reveal
-from labkit.buildalong.cells import notebook_namespace, pieces_from_notebook
+from labkit.buildalong.cells import pieces_from_notebook
 
 MODEL = "tiny_uneven"
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02_zero3_from_scratch.ipynb"
-FILLED = notebook_namespace()
 P = pieces_from_notebook()
 # What each reveal shows (a line of its source) -> the steps whose checks must pass first: the piece's own and
 # every piece it builds on.
@@ -49,22 +50,6 @@ def _rows_of_the_next_rank(full, rank, n):
 
 def _gather_keeps_padding(shard, d0, group=None):
     return FILLED["gather"](shard, shard.shape[0] * dist.get_world_size(group), group)
-
-
-def _after_grad(divide=True, op=dist.ReduceOp.SUM):
-    """The filled after_grad with one thing changed."""
-
-    def after_grad(unit):
-        for p, s in zip(unit.params, unit.shards, strict=True):
-            padded = p.grad.new_zeros((unit.n * s.shape[0], *s.shape[1:]))
-            padded[: p.grad.shape[0]] = p.grad
-            summed = torch.empty_like(s)
-            dist.reduce_scatter_single(summed, padded, op=op, group=unit.group)
-            s.grad = summed / unit.n if divide else summed
-            p.grad = None
-            FILLED["free"](p)
-
-    return after_grad
 
 
 PLANTED = {  # name: (the step whose piece is wrong, the pieces, words its own check's sentence holds)
@@ -100,12 +85,12 @@ PLANTED = {  # name: (the step whose piece is wrong, the pieces, words its own c
     ),
     "after_grad does not divide by n": (
         "reduce_scatter",
-        dataclasses.replace(P, after_grad=_after_grad(divide=False)),
+        dataclasses.replace(P, after_grad=planted.after_grad(divide=False)),
         ["every gradient is 3.00 x single's: after_grad did not divide by n", "rank 0's shard grads"],
     ),
     "after_grad averages, then divides": (
         "reduce_scatter",
-        dataclasses.replace(P, after_grad=_after_grad(op=dist.ReduceOp.AVG)),
+        dataclasses.replace(P, after_grad=planted.after_grad(op=dist.ReduceOp.AVG)),
         ["every gradient is 0.33 x single's: the mean was taken twice"],
     ),
     "AdamW with torch's defaults": (
@@ -197,7 +182,7 @@ def test_a_planted_mistake_fails_its_check_blocks_the_later_ones_and_hides_their
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_the_gradient_checks_name_the_factor_at_other_world_sizes(n):
-    not_divided = dataclasses.replace(P, after_grad=_after_grad(divide=False))
+    not_divided = dataclasses.replace(P, after_grad=planted.after_grad(divide=False))
     good, bad, blocked = checks.run_checks(
         [("reduce_scatter", P), ("reduce_scatter", not_divided), ("adamw", not_divided)],
         world_size=n,

@@ -5,8 +5,10 @@
 clipping: a wrong one is named before any rank starts). Then gloo ranks hand it, at threshold 0 and at
 `threshold`, to the deepspeed engine's own `deepspeed.initialize` (`labkit.engines.deepspeed.initialize`) and
 train `steps` steps with the learner's `step_fn(engine, tokens, targets)` under the probes. One sentence per
-property: the config, the threshold DeepSpeed applied (which parameters stayed whole), the losses against
-`single`, the wire bytes against the engine's plan (`deepspeed.zero3_wire_bytes`). A mistake gets the
+property: the config, the threshold DeepSpeed applied (which parameters stayed whole), the gradients DeepSpeed
+holds when the learner's first `engine.step()` starts against `single`'s (AdamW would hide a wrong scale from the
+losses), the losses against `single`, the wire bytes of the last step against the engine's plan
+(`deepspeed.zero3_wire_bytes`). A mistake gets the
 sentence that names it, a stub its "write this piece" sentence; nothing raises at the learner.
 """
 
@@ -25,12 +27,13 @@ from labkit.engines import deepspeed as ds_engine
 from labkit.engines import loop
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
+from labkit.gradients import grads_mismatch, mean_hint, single_grads
 from labkit.model import build_model
 from labkit.model import config as model_config
 from labkit.probes import Probes
 
 TIMEOUT_S = 300.0  # a DeepSpeed start costs seconds per rank on a loaded laptop
-PROPERTIES = ("config", "threshold", "losses", "bytes")
+PROPERTIES = ("config", "threshold", "gradients", "losses", "bytes")
 STAGES = {
     0: "stage 0 (DeepSpeed's default without a zero_optimization section) is no ZeRO: every rank keeps the whole "
     "model, its gradients and AdamW's state",
@@ -61,6 +64,10 @@ def run_deepspeed_checks(
 ) -> list[list[CheckResult]]:
     """Several (config_fn, step_fn) cases, the ranks of all of them in ONE launch; each case's results printed
     unless `quiet`."""
+    if steps < 2:
+        raise ValueError(
+            f"steps={steps}: pass steps>=2 (the gradients are read in the first step, the bytes in the last)"
+        )
     thresholds = (0, threshold)
     lab = RunConfig(model=model, world_size=world_size, steps=steps)
     micro_batch = model_config(model).global_batch // world_size
@@ -231,6 +238,7 @@ def _rank_run(
         return _raised("deepspeed.initialize with your config", e)
     calls = _count_calls(engine, ("backward", "step"))
     facts: dict[str, Any] = {
+        "grads": _grads_at_first_step(engine),
         "persistent": {name: bool(p.ds_persist) for name, p in engine.module.named_parameters()},
         "threshold": engine.zero_param_persistence_threshold(),
         "losses": [],
@@ -253,6 +261,27 @@ def _rank_run(
         facts["losses"].append(mean.item() / info.world_size)
     facts["comm"] = {kind: row["wire_bytes"] for kind, row in probes.comm.summary(last).items()}
     return facts
+
+
+def _grads_at_first_step(engine) -> dict[str, torch.Tensor | None]:
+    """{name: whole gradient}, filled in when the learner's first `engine.step()` starts, before AdamW runs:
+    DeepSpeed's own `safe_get_full_grad` (a collective under ZeRO-3, so every rank reads; rank 0 keeps them)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    grads: dict[str, torch.Tensor | None] = {}
+    step = engine.step
+
+    def read_then_step(*args, **kwargs):
+        if not grads:
+            for name, p in engine.module.named_parameters():
+                g = safe_get_full_grad(p)
+                grads[name] = None if g is None else g.detach().float().cpu().clone()
+            if dist.get_rank() != 0:
+                grads.update(dict.fromkeys(grads))  # read, but only rank 0's travel back
+        return step(*args, **kwargs)
+
+    engine.step = read_then_step
+    return grads
 
 
 def _raised(where: str, e: BaseException) -> dict[str, str]:
@@ -291,6 +320,7 @@ def _verdicts(runs, single, configs, thresholds, model: str, n: int) -> list[Che
     numels = {name: p.numel() for name, p in build_model(model).named_parameters()}
     return [
         _threshold(facts, thresholds, numels),
+        _gradients(facts, thresholds, model, n),
         _losses(facts, thresholds, single),
         _bytes(facts, thresholds, configs, model, n),
     ]
@@ -333,6 +363,33 @@ def _threshold(facts, thresholds, numels: dict[str, int]) -> CheckResult:
         f"DeepSpeed applied thresholds {thresholds[0]} and {thresholds[-1]}: at {thresholds[0]} all {len(numels)} "
         f"parameters are partitioned; at {thresholds[-1]} the {kept} with at most {thresholds[-1]} elements stayed "
         f"whole on every rank and the {len(numels) - kept} larger ones are partitioned",
+    )
+
+
+def _gradients(facts, thresholds, model: str, n: int) -> CheckResult:
+    want = single_grads(RunConfig(model=model))
+    hint = mean_hint(
+        1 / n,
+        "the mean was taken twice",
+        "engine.backward(loss) averages over the ranks itself: pass it the loss",
+    )
+    for f, threshold in zip(facts, thresholds, strict=True):
+        if not f["grads"]:
+            sentence = (
+                "no gradient was read: train_step never called engine.step(), where DeepSpeed's are read"
+            )
+            return CheckResult("gradients", False, sentence)
+        got = {k: g for k, g in f["grads"].items() if g is not None}
+        wrong = grads_mismatch(
+            got, want, f"at threshold {threshold}, the gradients before the first step", hint
+        )
+        if wrong:
+            return CheckResult("gradients", False, wrong)
+    return CheckResult(
+        "gradients",
+        True,
+        f"at each threshold the gradients DeepSpeed held when engine.step() began (safe_get_full_grad, gathered "
+        f"whole) equal single's on the global batch for all {len(want)} parameters: the mean over the ranks",
     )
 
 

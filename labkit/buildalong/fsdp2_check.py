@@ -3,8 +3,9 @@
 `check_fully_shard(fn, world_size, model)` launches gloo ranks. Each builds the lab's model and hands it to the
 learner's `fn(model, mesh, mp_policy)` (a 1-D mesh of every rank, a float32 `MixedPrecisionPolicy`), then trains
 `steps` steps of it with the lab's AdamW under the probes. The parent prints one sentence per property: the
-placements and FSDP units, the forward prefetch, the losses against `single`, the wire bytes against the fsdp2
-engine's plan (`fsdp2.predicted_wire_bytes`). A mistake gets the sentence that names it, a stub its "write this
+placements and FSDP units, the forward prefetch, the gradients after the first backward against `single`'s (AdamW
+would hide a wrong scale from the losses), the losses against `single`, the wire bytes against the fsdp2 engine's
+plan (`fsdp2.predicted_wire_bytes`). A mistake gets the sentence that names it, a stub its "write this
 piece" sentence; nothing raises at the learner.
 """
 
@@ -22,6 +23,7 @@ from labkit.buildalong.verdicts import LOSS_RTOL, CheckResult, launched, names_o
 from labkit.engines import fsdp2, loop
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
+from labkit.gradients import grads_mismatch, mean_hint, single_grads
 from labkit.model import build_model
 from labkit.probes import Probes
 
@@ -30,7 +32,7 @@ TIMEOUT_S = 120.0
 # rounding) and every all-gather carries 4 B per element, which the plan prices exactly. A bf16 policy would
 # need a loss tolerance loose enough to hide a real mistake.
 POLICY = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-PROPERTIES = ("placements", "prefetch", "losses", "bytes")
+PROPERTIES = ("placements", "prefetch", "gradients", "losses", "bytes")
 
 
 def check_fully_shard(
@@ -84,6 +86,10 @@ def _rank_case(fn: Callable, model: str, steps: int) -> dict:
     facts = _layout(net, mesh)
     cfg = RunConfig(model=model, world_size=info.world_size, steps=steps)
     engine = fsdp2.Fsdp2Engine(net, fsdp2.sharded_adamw(net.parameters(), cfg), info.device)
+    try:
+        facts["grads"] = _first_gradients(engine, net, cfg, info)
+    except Exception as e:  # noqa: BLE001
+        return facts | {"training": raised("your sharded model's first backward", e)}
     with Probes(info.rank, info.device) as probes:
         facts["gathers_before_block"] = _watch_gathers(net, probes, last_step=steps - 1)
         try:
@@ -96,6 +102,22 @@ def _rank_case(fn: Callable, model: str, steps: int) -> dict:
         data = [loop.rank_batch(step, model, 0, 1, 0, info.device) for step in range(steps)]
         facts["oracle"] = [loop.timed_step(oracle, step, d)[0].item() for step, d in enumerate(data)]
     return facts
+
+
+def _first_gradients(engine, net: torch.nn.Module, cfg: RunConfig, info) -> dict | None:
+    """Rank 0's view of every parameter's whole gradient after step 0's forward and backward, before any
+    optimizer step (a DTensor's shards gathered; a plain tensor's own, unreduced); the gradients then dropped,
+    so training starts from none. None on the other ranks."""
+    tokens, targets = loop.rank_batch(0, cfg.model, cfg.seed, info.world_size, info.rank, info.device)
+    engine.backward(engine.forward_loss(tokens, targets))
+    grads = {}
+    for name, p in net.named_parameters():
+        g = p.grad
+        if isinstance(g, DTensor):
+            g = g.full_tensor()  # a collective: every rank takes part
+        grads[name] = None if g is None else g.detach().float().cpu().clone()
+        p.grad = None
+    return grads if info.rank == 0 else None
 
 
 def _layout(net: torch.nn.Module, mesh) -> dict:
@@ -152,7 +174,7 @@ def _verdicts(ranks: list[dict], model: str, n: int) -> list[CheckResult]:
     placements = _placements(r, plan)
     crashed = next((f["training"] for f in ranks if "training" in f), None)
     if crashed is None:
-        return [placements, _prefetch(r, plan), _losses(r, plan), _bytes(r, plan)]
+        return [placements, _prefetch(r, plan), _gradients(r, plan), _losses(r, plan), _bytes(r, plan)]
     because = "" if placements.ok else ", after the mistake above"
     sentence = f"{crashed['where']} raised {crashed['error']}{crashed['line']}{because}"
     return [placements, CheckResult("training", False, sentence)]
@@ -172,6 +194,7 @@ class _Plan:
         }
         self.block_payload = 4 * sum(padded_numel(tuple(p.shape), n) for p in net.blocks[0].parameters())
         self.wire = fsdp2.predicted_wire_bytes(net, RunConfig(model=model, world_size=n), n)
+        self.grads = single_grads(RunConfig(model=model))
 
 
 def _placements(r: dict, plan: _Plan) -> CheckResult:
@@ -262,6 +285,27 @@ def _prefetch(r: dict, plan: _Plan) -> CheckResult:
             figures,
         )
     return CheckResult("prefetch", False, sentence, figures)
+
+
+def _gradients(r: dict, plan: _Plan) -> CheckResult:
+    got = {k: g for k, g in r["grads"].items() if g is not None}
+    where = "rank 0's gradients after the first backward"
+    hint = mean_hint(
+        plan.n, "the ranks' gradients were summed, not averaged", "leave FSDP2's reduction as it is"
+    )
+    wrong = grads_mismatch(got, plan.grads, where, hint)
+    if wrong is None:
+        return CheckResult(
+            "gradients",
+            True,
+            f"{where}, gathered whole, equal single's on the global batch for all {len(plan.grads)} parameters "
+            "(the mean over the ranks' slices, before AdamW runs)",
+        )
+    plain = [name for name, (placements, _) in r["params"].items() if placements is None]
+    because = (
+        f"; {names_of(plain)} are plain tensors, so each rank keeps its own slice's gradient" if plain else ""
+    )
+    return CheckResult("gradients", False, wrong + because)
 
 
 def _losses(r: dict, plan: _Plan) -> CheckResult:
