@@ -116,7 +116,7 @@ def _first_gradients(engine, net: torch.nn.Module, cfg: RunConfig, info) -> dict
         if isinstance(g, DTensor):
             g = g.full_tensor()  # a collective: every rank takes part
         grads[name] = None if g is None else g.detach().float().cpu().clone()
-        p.grad = None
+    net.zero_grad(set_to_none=True)
     return grads if info.rank == 0 else None
 
 
