@@ -24,12 +24,14 @@ room. Without either, the committed notebooks carry no outputs and the decks sho
 No asset is fetched at view time. nbconvert 7's reveal template loads reveal.js, RequireJS, jQuery, Mermaid
 and MathJax from CDNs; labkit's template drops jQuery, Mermaid, MathJax and the widget manager (the course's
 outputs are text and PNG) and uses a relative `reveal_url_prefix`, `reveal.js`, which `build` fills from
-`labkit/slides_assets` (reveal.js 4.0.2 and RequireJS, vendored, MIT); so the output folder is
-self-contained: copy it anywhere, open `index.html`. Pass `reveal_url_prefix` (`--reveal-url-prefix`) to use
-another copy of reveal.js instead.
+`labkit/slides_assets` (reveal.js 4.0.2 and RequireJS, vendored, MIT). The files a notebook links to (its
+exercises, `../exercises/NN.ipynb`) are copied beside the decks (`exercises/NN.ipynb`) and the links point at
+the copies; so the output folder is self-contained: copy it anywhere, open `index.html`. Pass
+`reveal_url_prefix` (`--reveal-url-prefix`) to use another copy of reveal.js instead.
 
-The index page lists each deck's title, run time (measured: this build's execution, or papermill's recorded
-duration; else the notebook's own "How long" sentence) and cheat sheet. The sheet, `<name>.cheatsheet.md` and
+The index page lists each deck's title and run time (rendered from their Markdown), how that time is known (one
+of `RUN_TIME_SOURCES`: measured in this build, measured by papermill in an executed copy, else the head of the
+notebook's own "How long" sentence), and its cheat sheet. The sheet, `<name>.cheatsheet.md` and
 `.cheatsheet.html` (printable), comes from `docs/cheatsheets/<name>.md`: the key formula, the figure to
 remember, the common mistake. Its `{{figure}}` becomes the line of the notebook's own output that its
 `<!-- figure: REGEX -->` finds, so a sheet built from an executed notebook quotes that run.
@@ -332,6 +334,52 @@ def cheatsheet_html(markdown: str, title: str) -> str:
     )
 
 
+# A Markdown link or image: [text](target "title") or ![alt](target).
+MARKDOWN_LINK = re.compile(
+    r"(?P<bang>!?)\[(?P<text>[^\]]*)\]\((?P<target>[^)\s]+)(?P<title>\s+\"[^\"]*\")?\)"
+)
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def _relative(target: str) -> bool:
+    """Whether a link's target is a path relative to the notebook (not a URL, an anchor or an absolute path)."""
+    return not (URL_SCHEME.match(target) or target.startswith(("#", "/")))
+
+
+def _beside_decks(target: str) -> str:
+    """Where a linked file goes in the decks' folder: its relative path without the `..` and `.` steps
+    (`../exercises/02.ipynb` -> `exercises/02.ipynb`)."""
+    return "/".join(part for part in target.split("/") if part not in ("", ".", ".."))
+
+
+def portable_links(
+    nb: nbformat.NotebookNode, sources: list[Path], out_dir: Path, log=print
+) -> nbformat.NotebookNode:
+    """A copy of `nb` whose relative Markdown links work from `out_dir`: each linked file (looked for relative to
+    each folder of `sources` in turn) is copied into `out_dir` at `_beside_decks(target)` and the link points
+    there; a link to a file found nowhere keeps its text, drops its target, and is logged."""
+    portable = copy.deepcopy(nb)
+
+    def rewrite(m: re.Match) -> str:
+        target, _, fragment = m["target"].partition("#")
+        if not target or not _relative(m["target"]):
+            return m[0]
+        found = next((d / target for d in sources if (d / target).is_file()), None)
+        if found is None:
+            log(f"link to {target} left out: no such file beside {', '.join(str(d) for d in sources)}")
+            return m["text"]
+        copy_to = out_dir / _beside_decks(target)
+        copy_to.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(found, copy_to)
+        new = _beside_decks(target) + (f"#{fragment}" if fragment else "")
+        return f"{m['bang']}[{m['text']}]({new}{m['title'] or ''})"
+
+    for cell in portable.cells:
+        if cell.cell_type == "markdown":
+            cell.source = MARKDOWN_LINK.sub(rewrite, cell.source)
+    return portable
+
+
 def copy_assets(out_dir: Path, reveal: bool = True) -> None:
     """Put the vendored RequireJS (and, with `reveal`, reveal.js as `reveal.js/`) beside the decks."""
     shutil.copy2(ASSETS_DIR / "require.js", out_dir / "require.js")
@@ -342,33 +390,65 @@ def copy_assets(out_dir: Path, reveal: bool = True) -> None:
         shutil.copytree(ASSETS_DIR / "reveal.js", target)
 
 
+class RunTime(NamedTuple):
+    """How long a notebook runs (`text`: "62 s", "About a minute on 2 CPU cores"; "" when unknown) and how
+    that is known (`source`: one of RUN_TIME_SOURCES)."""
+
+    text: str
+    source: str
+
+
+MEASURED_HERE = "measured in this build"
+MEASURED_BY_PAPERMILL = "measured by papermill"
+STATED = "stated by the notebook"
+NOT_STATED = "not stated"
+RUN_TIME_SOURCES = (MEASURED_HERE, MEASURED_BY_PAPERMILL, STATED, NOT_STATED)
+STATED_HEAD_END = re.compile(r",\s|;\s|\s\(|[.!?]$")  # the duration ends where a clause or an aside begins
+
+
+def run_time_of(nb: nbformat.NotebookNode, executed_s: float | None = None) -> RunTime:
+    """How long the notebook runs: `executed_s` (this build's execution, seconds), else the duration papermill
+    recorded in an executed copy, else the head of the notebook's own "How long" sentence (up to its first
+    clause or aside: "About half a minute on 2 CPU cores")."""
+    if executed_s is not None:
+        return RunTime(f"{executed_s:.0f} s", MEASURED_HERE)
+    recorded_s = nb.metadata.get("papermill", {}).get("duration")
+    if recorded_s is not None:
+        return RunTime(f"{recorded_s:.0f} s", MEASURED_BY_PAPERMILL)
+    stated = STATED_RUN_TIME.search(nb.cells[0].source) if nb.cells else None
+    if stated is None:
+        return RunTime("", NOT_STATED)
+    sentence = " ".join(stated["text"].split())
+    end = STATED_HEAD_END.search(sentence)
+    return RunTime(sentence[: end.start()] if end else sentence, STATED)
+
+
 class DeckEntry(NamedTuple):
-    """One line of the index page: the deck's file name, its title, its run time in words, its cheat sheet."""
+    """One line of the index page: the deck's file name, its title (Markdown), its run time, its cheat sheet."""
 
     deck: str
     title: str
-    run_time: str
+    run_time: RunTime
     sheet: str | None
 
 
-def run_time_of(nb: nbformat.NotebookNode, executed_s: float | None = None) -> str:
-    """How long the notebook runs, in words: `executed_s` (this build's execution, seconds), else the duration
-    papermill recorded in an executed copy, else the notebook's own "How long" sentence."""
-    measured_s = executed_s if executed_s is not None else nb.metadata.get("papermill", {}).get("duration")
-    if measured_s is not None:
-        return f"{measured_s:.0f} s, measured"
-    stated = STATED_RUN_TIME.search(nb.cells[0].source) if nb.cells else None
-    return f"{' '.join(stated['text'].split())} (stated)" if stated else "not stated"
+def inline_html(markdown: str) -> str:
+    """One line of Markdown as inline HTML: code spans, emphasis and entities rendered, no paragraph around it."""
+    from nbconvert.filters.markdown_mistune import markdown2html_mistune
+
+    rendered = markdown2html_mistune(markdown).strip()
+    return re.sub(r"^<p>(.*)</p>$", r"\1", rendered, flags=re.S)
 
 
 def index_html(entries: list[DeckEntry]) -> str:
-    """The workshop's index page: a table of the decks with title, run time and cheat sheet."""
+    """The workshop's index page: a table of the decks with title, run time, how that time is known, and the
+    cheat sheet (titles and run times rendered from their Markdown)."""
 
     def row(e: DeckEntry) -> str:
         sheet = f'<a href="{html.escape(e.sheet)}">cheat sheet</a>' if e.sheet else ""
         return (
-            f'  <tr><td><a href="{html.escape(e.deck)}">{html.escape(e.title)}</a></td>'
-            f"<td>{html.escape(e.run_time)}</td><td>{sheet}</td></tr>"
+            f'  <tr><td><a href="{html.escape(e.deck)}">{inline_html(e.title)}</a></td>'
+            f"<td>{inline_html(e.run_time.text)}</td><td>{e.run_time.source}</td><td>{sheet}</td></tr>"
         )
 
     rows = "\n".join(row(e) for e in entries)
@@ -377,10 +457,23 @@ def index_html(entries: list[DeckEntry]) -> str:
         "<style>body { font-family: sans-serif; max-width: 60em; margin: 2em auto; }\n"
         "td, th { text-align: left; padding: 0.3em 1em 0.3em 0; }</style></head>\n<body>\n"
         "<h1>labkit: the course as slides</h1>\n<table>\n"
-        "  <tr><th>deck</th><th>run time</th><th>cheat sheet</th></tr>\n"
+        "  <tr><th>deck</th><th>run time</th><th>how it is known</th><th>cheat sheet</th></tr>\n"
         f"{rows}\n</table>\n<p>Arrow keys move; <kbd>s</kbd> opens the speaker view (the notes); "
         "<kbd>Esc</kbd> shows the overview.</p>\n</body>\n</html>\n"
     )
+
+
+def link_sources(path: Path) -> list[Path]:
+    """Where a notebook's relative links are looked for: its own folder, then the course's `notebooks/` (an
+    executed copy elsewhere, papermill's, links as the course's notebook does)."""
+    from labkit.course import course_path
+
+    folders = [path.parent]
+    try:
+        folders.append(course_path("notebooks"))
+    except ValueError:  # no course folder: the notebook's own folder only
+        pass
+    return list(dict.fromkeys(f.resolve() for f in folders))
 
 
 def build(
@@ -395,7 +488,8 @@ def build(
 ) -> list[Path]:
     """Write `<name>.slides.html` per course notebook and `index.html` into `out_dir`; return the deck paths.
 
-    `execute=True` runs each notebook first (timeout per notebook, seconds); `reveal_url_prefix=None` uses
+    Each file a notebook links to (its exercise) is copied into `out_dir` and the link points at the copy
+    (`portable_links`), so the folder works wherever it goes. `execute=True` runs each notebook first (timeout per notebook, seconds); `reveal_url_prefix=None` uses
     the vendored reveal.js copied into `out_dir` (no network at view time). Each notebook with a
     `<name>.md` in `cheatsheets_dir` (default: the checkout's `docs/cheatsheets/`) also gets
     `<name>.cheatsheet.md` and `<name>.cheatsheet.html`.
@@ -411,6 +505,7 @@ def build(
         start_s = time.perf_counter()
         nb = execute_notebook(path, timeout_s) if execute else nbformat.read(path, as_version=4)
         executed_s = time.perf_counter() - start_s if execute else None
+        nb = portable_links(nb, link_sources(path), out, log)
         deck = out / f"{path.stem}.slides.html"
         deck.write_text(slides_html(nb, prefix), encoding="utf-8")
         decks.append(deck)

@@ -1,4 +1,6 @@
-"""`labkit doctor`: the report is real (versions, backend, a 2-rank all_reduce) and gaps exit 1 with advice."""
+"""`labkit doctor`: the report is real (versions, backend, a 2-rank all_reduce) and gaps exit 1 with advice; the
+Jupyter server it checks is the one it runs under (a real process tree: a script named like the hub's server, on
+a Python whose environment holds RISE, or a bare one that does not)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ KEYS = {
     "deepspeed_ops",
     "ninja",
     "kernel",
+    "server",
     "smoke_test",
     "problems",
     "ok",
@@ -52,8 +55,9 @@ def test_json_report_is_real(cli_json):
     v = report["versions"]
     assert v["torch"] == torch.__version__
     assert v["python"] == platform.python_version()
-    for name in ("deepspeed", "jupyterlab", "ipywidgets"):
+    for name in ("deepspeed", "ipywidgets"):  # the kernel's; JupyterLab is the server's (`server`)
         assert v[name] == importlib.metadata.version(name)
+    assert "jupyterlab" not in v
     where = cluster.placement(2)
     assert report["backend"] == {
         "world_size": 2,
@@ -102,6 +106,7 @@ def test_json_to_a_file_and_the_table(tmp_path: Path, capsys):
     assert report["smoke_test"] == {"ran": False}
     table = capsys.readouterr().out
     assert f"torch           {torch.__version__}" in table and "smoke test      skipped" in table
+    assert f"jupyter server  {doctor._server_line(report['server'])}" in table
 
 
 def test_unbuilt_ops_exit_1_with_one_line_of_advice(monkeypatch, tmp_path: Path, capsys):
@@ -372,3 +377,125 @@ def test_a_hubs_own_torch_2_11_runs_and_the_doctor_says_what_it_changes(monkeypa
     old = doctor.torch_support("2.9.0", "2.13.0")
     assert not old["runs"] and old["note"] == "torch 2.9.0: the lab runs on 2.11 to 2.13"
     assert doctor.torch_support("2.13.0+cpu", "2.13.0")["note"].endswith("the release requirements.txt pins")
+
+
+# ----------------------------------------------------------------------- the Jupyter server of the page
+
+# Stands in for a hub's server: named like one, run by the Python of its shebang, it starts `labkit doctor`'s
+# server check as its child (as a JupyterLab terminal or kernel would) and prints what the child found.
+FAKE_SERVER = """#!{python}
+import os, subprocess, sys
+child = "import json; from labkit import doctor; problems = []; " \\
+    "server = doctor._server(problems, doctor._pins()); print(json.dumps([server, problems]))"
+done = subprocess.run([{labkit_python!r}, "-c", child], capture_output=True, text=True, check=True)
+print(os.getpid(), done.stdout)
+"""
+
+
+def _fake_server(folder: Path, python: str, name: str = "jupyterhub-singleuser") -> Path:
+    """An executable script `name` in `folder`, run by `python`, that reports its child's server check."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / name
+    script.write_text(FAKE_SERVER.format(python=python, labkit_python=sys.executable))
+    script.chmod(0o755)
+    return script
+
+
+def _check_under(script: Path, **env) -> tuple[int, dict, list[str]]:
+    """(the fake server's pid, the server its child found, the child's problems)."""
+    base = {k: v for k, v in os.environ.items() if k != doctor.HUB_ENV}  # this session may run on a hub
+    done = subprocess.run([str(script)], capture_output=True, text=True, timeout=120, env={**base, **env})
+    assert done.returncode == 0, done.stderr
+    pid, found = done.stdout.split(" ", 1)
+    server, problems = json.loads(found)
+    return int(pid), server, problems
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> str:
+    """The Python of an empty virtual environment: a server environment without JupyterLab, RISE or widgets."""
+    env = tmp_path_factory.mktemp("bare") / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120)
+    return str(env / "bin" / "python")
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "server"),
+    [
+        (["/opt/conda/bin/python", "/opt/conda/bin/jupyterhub-singleuser", "--ip=0.0.0.0"], True),
+        (["/v/bin/python", "/v/bin/jupyter-lab", "--no-browser"], True),
+        (["python", "/v/bin/jupyter", "lab"], True),
+        (["python3", "-m", "jupyterlab"], True),
+        (["/usr/bin/python3", "-m", "ipykernel_launcher", "-f", "k.json"], False),
+        (["/bin/bash", "-l"], False),
+        (["python", "/v/bin/jupyter", "nbconvert", "--execute"], False),
+    ],
+)
+def test_a_jupyter_server_is_known_by_its_command_line(cmdline, server):
+    assert doctor.is_jupyter_server(cmdline) is server
+
+
+def test_the_server_checked_is_the_one_the_doctor_runs_under(tmp_path):
+    pid, server, problems = _check_under(
+        _fake_server(tmp_path, sys.executable), JUPYTERHUB_API_URL="http://hub"
+    )
+    assert (server["found"], server["pid"], server["python"], server["hub"]) == (
+        True,
+        pid,
+        sys.executable,
+        True,
+    )
+    started = f"{os.path.basename(sys.executable)} jupyterhub-singleuser"
+    assert server["how"] == f"the Jupyter server this runs under (pid {pid}: {started})"
+    assert server["prefix"] == sys.prefix
+    for name in doctor.SERVER_PACKAGES:  # read by that server's Python: here this environment's
+        assert server["packages"][name] == importlib.metadata.version(name)
+    assert problems == []
+
+
+def test_a_server_without_rise_or_widgets_is_a_problem_that_names_its_python(tmp_path, bare_python):
+    pid, server, problems = _check_under(_fake_server(tmp_path, bare_python))
+    assert (server["pid"], server["python"], server["hub"]) == (pid, bare_python, False)
+    assert server["packages"] == dict.fromkeys(doctor.SERVER_PACKAGES)
+    pins = doctor._pins()
+    assert problems == [
+        f"the Jupyter server that serves the page ({server['prefix']}) has no {name}, so {why}: install it "
+        f'there, `{bare_python} -m pip install "{spec}"`, and restart the server'
+        for name, why, spec in [
+            ("jupyterlab", doctor.SERVER_NEEDS["jupyterlab"], f"jupyterlab=={pins['jupyterlab']}"),
+            (
+                "jupyterlab-rise",
+                "live slides (RISE) do not open",
+                f"jupyterlab-rise=={pins['jupyterlab-rise']}",
+            ),
+            (
+                "jupyterlab_widgets",
+                doctor.SERVER_NEEDS["jupyterlab_widgets"],
+                f"ipywidgets=={pins['ipywidgets']}",
+            ),
+        ]
+    ]  # nbgitpuller is asked for only under JupyterHub:
+    _, _, under_hub = _check_under(_fake_server(tmp_path, bare_python), JUPYTERHUB_API_URL="http://hub")
+    assert (
+        under_hub[:3] == problems
+        and "has no nbgitpuller, so the students' nbgitpuller links fail" in under_hub[3]
+    )
+
+
+def test_outside_any_server_the_doctor_checks_the_jupyter_lab_on_path(tmp_path, bare_python):
+    _fake_server(tmp_path / "bin", bare_python, name="jupyter-lab")
+    child = (  # as a shell outside Jupyter runs it, whatever runs this test
+        "import json; from labkit import doctor; doctor.find_server = lambda pid=None: None; "
+        "print(json.dumps(doctor.jupyter_server()))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": str(tmp_path / "bin")},
+        check=True,
+    )
+    server = json.loads(done.stdout)
+    assert (server["found"], server["pid"], server["python"]) == (True, None, bare_python)
+    assert server["how"].startswith(f"the jupyter-lab on PATH ({tmp_path / 'bin' / 'jupyter-lab'})")

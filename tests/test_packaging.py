@@ -1,5 +1,7 @@
 """Packaging: a wheel installed in another environment grades from outside the checkout; the course folder;
-the declared dependencies; the GPU hub image's set-up steps are the Makefile's; the Zero to JupyterHub values."""
+the declared dependencies; the GPU hub image's set-up steps are the Makefile's, its Jupyter extensions in the
+server's environment, its library root's; the Zero to JupyterHub values (profiles whose descriptions are true, the
+exchange volume, the start timeout and the pre-pullers)."""
 
 from __future__ import annotations
 
@@ -205,8 +207,10 @@ def _step(command: str) -> tuple[str, ...] | None:
             return ("pins", argv[argv.index("-r") + 1])
         if "$TORCH" in argv:
             return ("torch first",)
-        if "--no-deps" in argv and "-e" in argv:
-            return ("labkit, no deps",)
+        if "--no-deps" in argv and ("-e" in argv or any(a.endswith(".whl") for a in argv)):
+            return (
+                "labkit, no deps",
+            )  # editable from the checkout (Makefile), or the release's wheel (image)
         return None
     if argv[1:3] == ["-m", "labkit.prebuild"]:
         return ("prebuild",)
@@ -221,11 +225,24 @@ def _makefile_setup() -> list[str]:
     return _commands([ln.strip() for ln in recipe])
 
 
-def _dockerfile_setup() -> list[str]:
-    text = (ROOT / "docker" / "Dockerfile").read_text()
-    final = text.split("\nFROM ${BASE}", 1)[1]
-    runs = re.findall(r"^RUN ((?:[^\n]*\\\n)*[^\n]*)", final, flags=re.M)
-    return _commands(runs)
+def _final_stage() -> list[tuple[str, str, str]]:
+    """The image's stage (after `FROM ${BASE}`) as (instruction, its arguments with continuations joined, the
+    USER it runs as), comments left out."""
+    text = (ROOT / "docker" / "Dockerfile").read_text().split("\nFROM ${BASE}", 1)[1]
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    stage, user = [], "${NB_UID}"  # docker-stacks' images end as the notebook user
+    for line in filter(str.strip, joined.splitlines()):
+        instruction, _, args = line.strip().partition(" ")
+        user = args.strip() if instruction == "USER" else user
+        stage.append((instruction, args.strip(), user))
+    return stage
+
+
+def _dockerfile_setup(as_user: bool = False) -> list:
+    """The shell commands of the image's RUN lines (with the USER each runs as, if `as_user`)."""
+    runs = [(c, user) for ins, args, user in _final_stage() if ins == "RUN" for c in _commands([args])]
+    return runs if as_user else [c for c, _ in runs]
 
 
 def test_the_images_set_up_is_the_makefiles_step_for_step():
@@ -265,6 +282,50 @@ def test_the_image_serves_the_student_release_outside_home_with_nbgitpuller():
     assert {".venv", ".git"} <= set(ignored)
 
 
+def test_the_jupyter_extensions_are_installed_where_jupyterlab_runs():
+    """RISE, the widgets' JupyterLab side and nbgitpuller go into the server's environment (the base's conda root,
+    where the hub's jupyterhub-singleuser and JupyterLab run), not the kernel's; the build checks both facts."""
+    stage = _final_stage()
+    env = dict(args.split("=", 1) for ins, args, _ in stage if ins == "ENV")
+    assert env["SERVER_PY"] == "${CONDA_DIR}/bin/python" and env["PY"] == "${LABKIT_ENV}/bin/python"
+    commands = _dockerfile_setup()
+    pinned = re.compile(r"grep '\^([A-Za-z0-9_.-]+)==' requirements.txt")
+    server = [c for c in commands if c.startswith("${SERVER_PY} -m pip install ")]
+    installed = {name for c in server for name in pinned.findall(c)}
+    assert JUPYTER_EXTENSIONS | {"ipywidgets"} <= installed <= set(_requirement_pins())
+    elsewhere = [
+        c for c in commands if "pip" in c and c not in server and JUPYTER_EXTENSIONS & set(pinned.findall(c))
+    ]
+    assert not elsewhere, f"a Jupyter extension installed outside the server's environment: {elsewhere}"
+    hub_command = 'test "$(command -v jupyterhub-singleuser)" = "${CONDA_DIR}/bin/jupyterhub-singleuser"'
+    [rise_check] = [c for c in commands if "labextension list" in c]
+    assert (
+        rise_check.startswith("${CONDA_DIR}/bin/jupyter ")
+        and 'grep -q "jupyterlab-rise .*enabled"' in rise_check
+    )
+    assert commands.index(server[0]) < commands.index(hub_command) < commands.index(rise_check)
+    [kernel] = [c for c in commands if (_step(c) or ("",))[0] == "kernel"]
+    assert "--prefix ${CONDA_DIR}" in kernel  # registered where that server looks for kernels
+
+
+def test_the_library_is_a_root_owned_wheel_install_the_notebook_user_cannot_edit():
+    stage = _final_stage()
+    copies = [args for ins, args, _ in stage if ins == "COPY"]
+    assert any(a.endswith("/release /opt/labkit") for a in copies)
+    assert not [a for a in copies if "--chown" in a], "COPY without --chown leaves the files root's"
+    [(install, user)] = [
+        (c, u) for c, u in _dockerfile_setup(as_user=True) if _step(c) == ("labkit, no deps",)
+    ]
+    argv = shlex.split(install)
+    assert user == "root" and "-e" not in argv and any(a.endswith(".whl") for a in argv), install
+    assert stage[-1][2] == "${NB_UID}", "the image must end as the notebook user"
+    release = (ROOT / "docker" / "Dockerfile").read_text().split("\nFROM ${BASE}", 1)[0]
+    [wheel] = [c for c in _commands([release]) if "pip wheel" in c]
+    assert shlex.split(wheel)[-1] != "/release", (
+        "a build in /release would leave build/ in the image's course"
+    )
+
+
 # Kubernetes' Ki/Mi/Gi and JupyterHub's ByteSpecification (mem_limit), whose K/M/G are powers of 1024 too.
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
 
@@ -274,26 +335,101 @@ def _bytes(size: str) -> int:
     return int(m[1]) * _UNITS[m[2] or ""]
 
 
-def test_the_hub_values_offer_1_2_4_8_gpus_with_limits_and_a_memory_backed_shm():
-    values = yaml.safe_load((ROOT / "docker" / "values.yaml").read_text())["singleuser"]
-    profiles = values["profileList"]
-    gpus = []
+def _values() -> dict:
+    return yaml.safe_load((ROOT / "docker" / "values.yaml").read_text())
+
+
+def _gpus(profile: dict) -> int:
+    """The GPUs a profile requests (its limit and guarantee agree), 0 for none."""
+    o = profile["kubespawner_override"]
+    limit = o.get("extra_resource_limits", {}).get("nvidia.com/gpu")
+    assert limit == o.get("extra_resource_guarantees", {}).get("nvidia.com/gpu"), profile["display_name"]
+    return int(limit or 0)
+
+
+def _claims(description: str, notebooks: set[str]) -> list[tuple[set[str], str | None, set[int]]]:
+    """What a profile's description says, clause by clause (split at ';'): (the notebooks the clause speaks of:
+    by number, "every notebook" or "the others"; where their ranks run: cpu where it says CPU, else cuda where it
+    says GPU; the rank counts it names, "2 to 4 ranks" as {2, 4})."""
+    said, claims = set(), []
+    for clause in description.split(";"):
+        if "every notebook" in clause.lower():
+            covered = set(notebooks)
+        elif "the others" in clause:
+            covered = notebooks - said
+        else:
+            covered = set(re.findall(r"\b(\d\d)\b", clause))
+        said |= covered
+        device = "cpu" if "CPU" in clause else "cuda" if "GPU" in clause else None
+        ranks = {
+            int(n) for pair in re.findall(r"\b(\d)(?: (?:or|to) (\d))? ranks", clause) for n in pair if n
+        }
+        claims.append((covered, device, ranks))
+    return claims
+
+
+def test_each_hub_profile_requests_the_gpus_it_names_and_says_truly_where_each_notebook_runs():
+    """A CPU profile, 2 and 4 GPUs; each description checked against where `labkit.launch` puts each course
+    notebook's default ranks on that many GPUs (`classroom.notebook_placement`)."""
+    from labkit import classroom
+
+    needs = {need.notebook[:2]: need for need in classroom.notebook_needs(ROOT / "notebooks")}
+    profiles = _values()["singleuser"]["profileList"]
+    assert sorted(_gpus(p) for p in profiles) == [0, 2, 4]
+    assert [p.get("default", False) for p in profiles].count(True) == 1
     for p in profiles:
-        o = p["kubespawner_override"]
-        assert (
-            o["extra_resource_limits"]["nvidia.com/gpu"] == o["extra_resource_guarantees"]["nvidia.com/gpu"]
-        )
-        gpus.append(int(o["extra_resource_limits"]["nvidia.com/gpu"]))
-        assert o["cpu_limit"] >= o["cpu_guarantee"] > 0 and _bytes(o["mem_limit"]) >= _bytes(
-            o["mem_guarantee"]
-        )
-    assert gpus == [1, 2, 4, 8] and [p.get("default", False) for p in profiles].count(True) == 1
+        gpus, named = _gpus(p), re.fullmatch(r"(\d+) GPUs?|CPU only", p["display_name"])
+        assert named and int(named[1] or 0) == gpus, p["display_name"]
+        where = {k: classroom.notebook_placement(need, gpus)["device"] for k, need in needs.items()}
+        claims = _claims(p["description"], set(needs))
+        assert sorted(k for covered, _, _ in claims for k in covered) == sorted(needs), p["description"]
+        for covered, device, ranks in claims:
+            assert {where[k] for k in covered} == {device}, (p["display_name"], covered, where)
+            sizes = [needs[k].ranks for k in covered]
+            assert ranks == {min(sizes), max(sizes)}, (p["display_name"], covered, sizes)
+    [cpu] = [p for p in profiles if _gpus(p) == 0]
+    assert cpu["kubespawner_override"]["environment"]["NVIDIA_VISIBLE_DEVICES"] == "void"
+
+
+def test_each_profile_holds_the_largest_notebooks_ranks_and_a_memory_backed_shm():
+    from labkit import classroom
+    from labkit.placement import RANKS_PER_CORE
+
+    values = _values()["singleuser"]
+    needs = classroom.notebook_needs(ROOT / "notebooks")
     [shm] = [v for v in values["storage"]["extraVolumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
     [mount] = [m for m in values["storage"]["extraVolumeMounts"] if m["name"] == shm["name"]]
     assert mount["mountPath"] == "/dev/shm"
     shm_bytes = _bytes(shm["emptyDir"]["sizeLimit"])
-    assert shm_bytes >= 8 * DEEPSPEED_SHM_BYTES_PER_RANK + NCCL_SHM_BYTES, (
-        "DeepSpeed's CPU comm on 8 ranks, and NCCL"
+    ranks = max(n.ranks for n in needs)
+    assert shm_bytes >= ranks * DEEPSPEED_SHM_BYTES_PER_RANK + NCCL_SHM_BYTES, (
+        "DeepSpeed's CPU comm, and NCCL"
     )
-    assert all(_bytes(p["kubespawner_override"]["mem_limit"]) > 2 * shm_bytes for p in profiles)
+    for p in values["profileList"]:
+        o = p["kubespawner_override"]
+        assert o["cpu_limit"] >= o["cpu_guarantee"] > 0
+        assert _bytes(o["mem_limit"]) >= _bytes(o["mem_guarantee"])
+        assert o["cpu_limit"] * RANKS_PER_CORE >= ranks, p["display_name"]
+        assert _bytes(o["mem_limit"]) >= max(n.memory_bytes for n in needs) + shm_bytes, p["display_name"]
+        assert _bytes(o["mem_limit"]) > 2 * shm_bytes
     assert values["cpu"]["limit"] and values["memory"]["limit"]
+
+
+def test_the_hub_mounts_one_exchange_waits_for_a_large_image_and_pulls_it_ahead():
+    values, text = _values(), (ROOT / "docker" / "values.yaml").read_text()
+    storage = values["singleuser"]["storage"]
+    [mount] = [m for m in storage["extraVolumeMounts"] if m["mountPath"] == "/srv/exchange"]
+    assert not mount.get("readOnly") and "subPath" not in mount  # students write their hand-ins there
+    [volume] = [v for v in storage["extraVolumes"] if v["name"] == mount["name"]]
+    claim = yaml.safe_load((ROOT / "docker" / "exchange-pvc.yaml").read_text())
+    assert claim["kind"] == "PersistentVolumeClaim"
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "every student's pod mounts it at once"
+    assert (
+        "kubectl apply --namespace labkit -f docker/exchange-pvc.yaml" in text
+    )  # the chart does not create it
+    # A large image: KubeSpawner's 300 s default can pass in the pull alone; both of the chart's pre-pullers on.
+    assert values["singleuser"]["startTimeout"] >= 600
+    assert values["prePuller"]["hook"]["enabled"] and values["prePuller"]["continuous"]["enabled"]
+    assert values["prePuller"]["pullProfileListImages"] is True
+    assert re.search(r"helm upgrade .*\n.*--timeout \d+m", text), "the hook puller makes helm upgrade wait"

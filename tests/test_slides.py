@@ -1,15 +1,21 @@
 """`labkit slides`: a reveal.js deck per course notebook, made for a room (labkit/slides.py).
 
 The decks' structure against the cells' `slideshow` metadata, what a room sees of a cell (no plumbing, code only
-where tagged, prose split into a lead and speaker notes), the index page and the cheat sheets. The decks in a
+where tagged, prose split into a lead and speaker notes), the index page (Markdown rendered, one run-time status
+per row), links that resolve from the decks' folder wherever it is moved (the exercises copied beside the decks),
+and the cheat sheets. The decks in a
 real browser, built from the session's executed notebooks: tests/test_slides_browser.py.
 """
 
 from __future__ import annotations
 
+import html
 import re
+import shutil
 import struct
+from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import unquote
 
 import nbformat
 import pytest
@@ -65,26 +71,123 @@ def _count_sections(deck: str) -> tuple[int, int]:
     return top, inner
 
 
-def test_slides_build_one_deck_per_notebook_offline(tmp_path):
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """`labkit slides` over the committed notebooks (no execution), its folder then moved elsewhere: whatever
+    works there works wherever an instructor copies it."""
     from labkit.cli import main
 
-    assert main(["slides", "--out", str(tmp_path)]) == 0
-    decks = sorted(p.name for p in tmp_path.glob("*.slides.html"))
+    out = tmp_path_factory.mktemp("slides") / "out"
+    assert main(["slides", "--out", str(out)]) == 0
+    moved = tmp_path_factory.mktemp("elsewhere") / "decks"
+    shutil.move(out, moved)
+    return moved
+
+
+def _rows(index: str) -> dict[str, list[str]]:
+    """The index's table: {deck file: [its cells' inner HTML]}."""
+    rows = {}
+    for row in re.findall(r"<tr>(.*?)</tr>", index, re.S):
+        cells = re.findall(r"<td>(.*?)</td>", row, re.S)
+        if cells:
+            rows[re.search(r'href="([^"]+\.slides\.html)"', cells[0])[1]] = cells
+    return rows
+
+
+def test_slides_build_one_deck_per_notebook_offline(built):
+    decks = sorted(p.name for p in built.glob("*.slides.html"))
     assert decks == [n.replace(".ipynb", ".slides.html") for n in ALL]
-    index = (tmp_path / "index.html").read_text()
-    assert all(f'href="{d}"' in index for d in decks)
-    for name in ALL:  # no outputs, no papermill record: the run time is the notebook's own sentence
-        stated = slides.STATED_RUN_TIME.search(nbformat.read(NOTEBOOKS / name, as_version=4).cells[0].source)
-        row = next(r for r in index.split("<tr>") if name.replace(".ipynb", ".slides.html") in r)
-        assert f"{' '.join(stated['text'].split())} (stated)" in row.replace("&#x27;", "'")
-        assert name.replace(".ipynb", ".cheatsheet.html") in row
-    assert (tmp_path / "reveal.js" / "dist" / "reveal.js").is_file() and (tmp_path / "require.js").is_file()
+    index = (built / "index.html").read_text()
+    rows = _rows(index)
+    assert sorted(rows) == decks
+    for (
+        name
+    ) in ALL:  # no outputs, no papermill record: the run time is the head of the notebook's own sentence
+        nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+        _, run_time, source, sheet = rows[name.replace(".ipynb", ".slides.html")]
+        stated = " ".join(slides.STATED_RUN_TIME.search(nb.cells[0].source)["text"].split())
+        assert source == slides.STATED and run_time and stated.startswith(html.unescape(run_time))
+        assert name.replace(".ipynb", ".cheatsheet.html") in sheet
+    assert (built / "reveal.js" / "dist" / "reveal.js").is_file() and (built / "require.js").is_file()
     for deck in decks:
-        text = (tmp_path / deck).read_text()
+        text = (built / deck).read_text()
         remote = re.findall(r"""(?:src|href)=["'](https?:[^"']+)""", text) + re.findall(
             r"""require\(\s*\{[^}]*\}\s*,\s*\[\s*"(https?:[^"]+)""", text
         )
         assert not remote, f"{deck} would fetch {remote[:3]} at view time"
+
+
+def test_the_index_shows_no_raw_markup_and_one_status_per_row(built):
+    rows = _rows((built / "index.html").read_text())
+    for deck, (title, run_time, source, _) in rows.items():
+        for cell in (title, run_time):
+            text = re.sub(r"<[^>]+>", "", cell)
+            assert not re.search(r"`|\*\*|\[[^\]]*\]\(", text), f"{deck}: raw Markdown in {cell!r}"
+        assert source in slides.RUN_TIME_SOURCES, deck
+        assert not re.search(r"measured|stated", run_time), f"{deck}: a second status in {run_time!r}"
+
+
+class _Links(HTMLParser):
+    """Every href and src of an HTML page."""
+
+    def __init__(self):
+        super().__init__()
+        self.targets: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.targets += [value for name, value in attrs if name in ("href", "src") and value]
+
+
+def test_every_relative_link_of_the_decks_index_and_sheets_resolves_inside_their_folder(built):
+    pages = sorted(built.glob("*.html"))
+    assert len(pages) == 2 * len(ALL) + 1  # the decks, the cheat sheets, the index
+    checked = 0
+    for page in pages:
+        parser = _Links()
+        parser.feed(page.read_text())
+        for target in parser.targets:
+            if re.match(
+                r"^[A-Za-z][A-Za-z0-9+.-]*:|#", target
+            ):  # a URL (remote ones are refused above), an anchor
+                continue
+            path = (built / unquote(target.split("#", 1)[0])).resolve()
+            assert path.is_file() and path.is_relative_to(built.resolve()), (
+                f"{page.name}: {target} does not resolve"
+            )
+            checked += 1
+    assert checked > 3 * len(ALL)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_each_deck_links_its_exercises_beside_it(built, name):
+    """The notebooks' `../exercises/NN.ipynb` links point at copies in the decks' folder, exercise for exercise."""
+    linked = set(re.findall(r"\]\(\.\./exercises/([^)#\s]+)", (NOTEBOOKS / name).read_text()))
+    deck = (built / name.replace(".ipynb", ".slides.html")).read_text()
+    assert set(re.findall(r'href="exercises/([^"#]+)"', deck)) == linked
+    for exercise in linked:
+        assert (built / "exercises" / exercise).read_bytes() == (ROOT / "exercises" / exercise).read_bytes()
+
+
+def test_a_link_to_a_missing_file_keeps_its_text_and_says_so(tmp_path):
+    nb = new_notebook(
+        cells=[
+            new_markdown_cell(
+                "See [the exercise](../exercises/01.ipynb#part-2), ![a figure](img/none.png), "
+                "[the docs](https://example.org/x) and [below](#below)."
+            )
+        ]
+    )
+    for folder in ("notebooks", "exercises"):
+        (tmp_path / "course" / folder).mkdir(parents=True)
+    (tmp_path / "course" / "exercises" / "01.ipynb").write_text("{}")
+    said = []
+    out = slides.portable_links(nb, [tmp_path / "course" / "notebooks"], tmp_path / "out", log=said.append)
+    assert out.cells[0].source == (
+        "See [the exercise](exercises/01.ipynb#part-2), a figure, [the docs](https://example.org/x) and [below](#below)."
+    )
+    assert (tmp_path / "out" / "exercises" / "01.ipynb").read_text() == "{}"
+    assert len(said) == 1 and "img/none.png" in said[0]
+    assert "../exercises" in nb.cells[0].source  # the notebook given is left as it was
 
 
 def test_slides_count_matches_cell_metadata(tmp_path):
@@ -226,11 +329,36 @@ def test_a_room_sees_outputs_and_tagged_code_but_no_plumbing():
 
 def test_run_time_is_measured_when_there_is_a_measurement():
     nb = new_notebook(cells=[new_markdown_cell("# t\n**How long.** About a minute on 2 cores.")])
-    assert slides.run_time_of(nb) == "About a minute on 2 cores. (stated)"
+    assert slides.run_time_of(nb) == ("About a minute on 2 cores", slides.STATED)
     nb.metadata["papermill"] = {"duration": 61.7}
-    assert slides.run_time_of(nb) == "62 s, measured"
-    assert slides.run_time_of(nb, executed_s=12.2) == "12 s, measured"
-    assert slides.run_time_of(new_notebook(cells=[new_markdown_cell("# t")])) == "not stated"
+    assert slides.run_time_of(nb) == ("62 s", slides.MEASURED_BY_PAPERMILL)
+    assert slides.run_time_of(nb, executed_s=12.2) == ("12 s", slides.MEASURED_HERE)
+    assert slides.run_time_of(new_notebook(cells=[new_markdown_cell("# t")])) == ("", slides.NOT_STATED)
+
+
+def test_a_stated_run_time_is_the_sentences_head_without_its_asides():
+    nb = new_notebook(
+        cells=[
+            new_markdown_cell(
+                "**How long.** About half a minute on 2 CPU\ncores, measured (`run_x=False` skips)."
+            )
+        ]
+    )
+    assert slides.run_time_of(nb) == ("About half a minute on 2 CPU cores", slides.STATED)
+    nb.cells[0].source = "**How long.** About a minute (each `start` costs seconds)."
+    assert slides.run_time_of(nb).text == "About a minute"
+
+
+def test_the_index_renders_inline_markdown():
+    entry = slides.DeckEntry(
+        "05.slides.html",
+        "05 · `fully_shard`'s **surface** & more",
+        slides.RunTime("About `n` s", slides.STATED),
+        None,
+    )
+    page = slides.index_html([entry])
+    assert "<code>fully_shard</code>" in page and "<strong>surface</strong>" in page and "&amp; more" in page
+    assert "About <code>n</code> s" in page and "`" not in page
 
 
 def _png_width_px(b64: str) -> int:

@@ -5,12 +5,15 @@ The decks come from the `executed` fixture's papermill copies (tests/conftest.py
 per session, shared with tests/test_notebooks.py and tests/test_claims.py), so this test executes nothing again.
 On each slide: its content fits the viewport (top to bottom), the only code shown is that of cells tagged
 `slide-code`, and each tagged cell shows its code; each deck has a figure and speaker notes on at least a third
-of its slides. A screenshot of each deck (its last slide) goes to test-artifacts/browser/decks/.
+of its slides. A screenshot of each deck (its last slide) goes to test-artifacts/browser/decks/. The index and
+the decks' links as Chromium reads them (from decks built without execution): the index shows no raw Markdown and
+one run-time status per row, and every link Chromium would follow from a page lands on a file in the folder.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import nbformat
 import pytest
@@ -115,3 +118,40 @@ def test_every_deck_fits_a_projector_shows_only_asked_code_and_carries_figures_a
                 problems.append(f"{deck.name}: speaker notes on {noted} of {len(facts)} slides")
     assert not problems, "\n".join(problems)
     assert code_shown > 0, f"no deck shows a {slides.SHOW_CODE_TAG} cell: the tag is never exercised"
+
+
+# Every link and source of the page as Chromium resolves it (absolute URLs), and the index table's text by row.
+PAGE_LINKS_JS = """
+() => ({
+  links: [...document.querySelectorAll("[href], [src]")]
+    .map(el => (typeof el.href === "string" ? el.href : el.src)).filter(Boolean),
+  rows: [...document.querySelectorAll("table tr")].slice(1).map(tr => [...tr.cells].map(td => td.innerText)),
+})
+"""
+
+
+def test_the_index_reads_clean_and_every_link_lands_in_the_folder(tmp_path):
+    out = tmp_path / "decks"
+    slides.build(out, log=lambda *_: None)
+    pages = [out / "index.html", *sorted(out.glob("*.slides.html"))]
+    missing, followed = [], 0
+    with chromium(tmp_path / "profile", viewport=VIEWPORT) as context:
+        page = context.new_page()
+        for html_page in pages:
+            page.goto(html_page.as_uri())
+            found = page.evaluate(PAGE_LINKS_JS)
+            for url in (urlparse(u) for u in found["links"]):
+                if url.scheme != "file":
+                    missing.append(f"{html_page.name}: {url.geturl()} is not a file beside it")
+                    continue
+                path = Path(unquote(url.path))
+                followed += 1
+                if not (path.is_file() and path.is_relative_to(out)):
+                    missing.append(f"{html_page.name}: {url.geturl()} does not land on a file in {out}")
+            if html_page.name == "index.html":
+                rows = found["rows"]
+    assert not missing, "\n".join(missing)
+    assert followed > 3 * len(ALL) and len(rows) == len(ALL)
+    for title, run_time, source, _ in rows:
+        assert "`" not in title + run_time and "**" not in title + run_time, (title, run_time)
+        assert source in slides.RUN_TIME_SOURCES and "measured" not in run_time and "stated" not in run_time

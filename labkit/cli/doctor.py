@@ -13,9 +13,11 @@ from labkit.cli.paths import writable_file
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "doctor",
-        help="check versions, devices, limits, backend, DeepSpeed ops, the Jupyter kernel; run a 2-rank all_reduce",
-        description="Check that this machine is ready for the lab. Exit status 1, with one line of advice "
-        "per problem, when something is missing.",
+        help="check versions, devices, limits, backend, DeepSpeed ops, the Jupyter kernel and server; run a 2-rank "
+        "all_reduce",
+        description="Check that this machine is ready for the lab. The Jupyter server checked is the one this "
+        "command runs under (run it in a JupyterLab terminal, or as !labkit doctor in a notebook, on a hub), else "
+        "the jupyter-lab on PATH. Exit status 1, with one line of advice per problem, when something is missing.",
     )
     p.add_argument(
         "--json", metavar="PATH", help="also write the report as JSON to PATH ('-' for stdout only)"
