@@ -305,6 +305,8 @@ def test_infinity_fits_70b_on_one_node():
         ((1e9, 8, "ddp"), {"offload_params": "cpu"}, "offload_params"),
         ((1e9, 8, "hsdp"), {"qwz": True}, "qwz"),
         ((1e9, 8, "ddp"), {"accounting": "deepspeed"}, "accounting"),
+        ((1e9, 8), {"prefetch": "no"}, "prefetch must be True or False; got 'no'"),  # bool("no") is True
+        ((1e9, 8), {"activation_checkpointing": 1}, "activation_checkpointing must be True or False"),
     ],
 )
 def test_bad_input_is_one_sentence_naming_the_argument(args, kwargs, names):

@@ -287,7 +287,9 @@ def _check_choice(name: str, value, spec: InputSpec) -> str:
 
 
 def _check_switch(name: str, value, spec: InputSpec) -> bool:
-    return bool(value)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False; got {value!r}.")
+    return value
 
 
 _CHECK_OF_KIND = {

@@ -11,8 +11,9 @@ import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, NamedTuple
 
+from labkit.budget.inputs import OFFLOAD_TARGETS
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # compute dtype (torch's name) -> bytes per element
-OFFLOADS = ("none", "cpu", "nvme")
 
 
 class Setting(NamedTuple):
@@ -89,7 +90,7 @@ class RunConfig:
         "none",
         "choice",
         "optimizer state on the host (cpu) or, deepspeed only, in swap files (nvme)",
-        choices=OFFLOADS,
+        choices=OFFLOAD_TARGETS,
         flag="--offload",
     )
     link_gbytes: float | None = _setting(
