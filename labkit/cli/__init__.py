@@ -20,6 +20,8 @@ COMMANDS = (
     "compare",
     "torchrun",
     "grade",
+    "submit",
+    "feedback",
     "slides",
     "release",
 )  # modules of labkit.cli, in the order `labkit --help` lists them
