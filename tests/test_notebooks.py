@@ -265,6 +265,17 @@ def test_07_table_and_scale_numbers_are_budgets(executed):
     for engine in ("scratch", "fsdp2", "deepspeed"):
         row = re.search(rf"^{engine}\s+\S+\s+(\S+)", text, re.M)
         assert row and float(row.group(1)) < 1e-4, f"{engine} loss must match single"
+    # Your engine from 02 (issue 43): its row measured by the same probes, its bytes ZeRO-3's formula exactly.
+    from labkit.buildalong.yours import formula_wire_bytes
+
+    yours = re.search(r"^yours \(02\)\s+\S+\s+(\S+)\s+([\d,]+)\s+([\d,]+)", text, re.M)
+    formula = formula_wire_bytes("tiny", 2)
+    assert yours and float(yours.group(1)) < 1e-4, text
+    assert [int(yours.group(i).replace(",", "")) for i in (2, 3)] == [
+        formula["all_gather"],
+        formula["reduce_scatter"],
+    ]
+    assert "Your engine trained to single's losses" in text
     h = budget.plan(30e9, 512, "hsdp", group_size=8)
     f = budget.plan(30e9, 512, "zero3")
     assert (

@@ -6,6 +6,7 @@
     cells.py      the pieces notebook 02's `build` cells define (filled in the instructor's copy)
     stubs.py      what an unwritten build cell raises, and the sentence a check says of it
     reveal.py     labkit's own version of a piece, shown once the learner's build passed its checks
+    yours.py      your engine from 02 in the later notebooks (05, 07), and what it did beside the libraries
     fsdp2_check.py      notebook 05's build check: the learner's fully_shard calls on real ranks
     deepspeed_check.py  notebook 06's build check: the learner's ZeRO-3 config and training step
 
