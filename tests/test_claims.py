@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import nbformat
 import pytest
-from test_notebooks import TYPED_FIGURE
+from prose import TYPED_FIGURE
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAIMS = ROOT / "docs" / "claims.md"

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 from engine_helpers import assert_close, reference_losses
-from test_fsdp1 import assert_measured_is_planned, assert_prefetch
+from fsdp1_checks import assert_measured_is_planned, assert_prefetch
 
 from labkit.budget import collective_wire_bytes
 from labkit.cli import main

@@ -18,6 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import verdict_checker
+from prose import TYPED_FIGURE
 
 from labkit import KERNEL_NAME, budget
 
@@ -59,13 +60,6 @@ def test_committed_notebook_is_clean_and_has_parameters_and_slides(name):
         f"{name}: parameters cell sets no world_size"
     )
     assert nb.cells[0].cell_type == "markdown" and "How long" in nb.cells[0].source
-
-
-# A figure with a unit in prose: the course renders those from the run or labkit.budget, never types them.
-# A number with a unit (rates too), or a measured-looking ratio ("1.48x"); a formula's "3 x" is not one.
-TYPED_FIGURE = re.compile(
-    r"\b\d[\d,.]*\s?(GB/s|MB/s|TFLOP/s|GFLOP/s|params/s|GB|MB|kB|GiB|MiB|TB|ms|s|%)(?![\w/])|\b\d+\.\d+x\b"
-)
 
 
 @pytest.mark.parametrize("name", ALL)
