@@ -16,6 +16,7 @@ from labkit import budget
 from labkit.buildalong.cells import pieces_from_notebook, unwritten_pieces
 from labkit.buildalong.scaffold import Learner
 from labkit.buildalong.verdicts import LOSS_RTOL
+from labkit.engines.registry import ORACLE
 from labkit.model import build_model
 from labkit.tables import wire_bytes
 
@@ -45,7 +46,7 @@ def formula_wire_bytes(model: str, world_size: int) -> dict[str, int]:
 
 
 def beside(
-    records: dict[str, dict[str, Any]], name: str, model: str, world_size: int, oracle: str = "single"
+    records: dict[str, dict[str, Any]], name: str, model: str, world_size: int, oracle: str = ORACLE
 ) -> str:
     """One sentence on `records[name]`: its losses against `records[oracle]`'s (float32: within LOSS_RTOL) and
     its wire bytes per collective against `formula_wire_bytes`."""
