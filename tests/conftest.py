@@ -32,7 +32,7 @@ TIMEOUT_S = {"default": 420}  # per notebook, seconds (the slowest take ~2 min o
 SLOW_MODULES = {
     "test_activation_checkpointing", "test_benchmarks", "test_browser", "test_build", "test_build_deepspeed",
     "test_build_fsdp2", "test_buildalong_reveal", "test_calibrate", "test_capstone", "test_claims",
-    "test_cli_outputs", "test_cluster", "test_compare_cli", "test_deepspeed", "test_doctor",
+    "test_cli_outputs", "test_cluster", "test_compare_cli", "test_deepspeed", "test_doctor", "test_grading_fairness",
     "test_engines_single_ddp", "test_exercise08", "test_fsdp1", "test_fsdp2", "test_gpu_path", "test_grading",
     "test_hf", "test_instructor", "test_limits", "test_multinode", "test_notebooks", "test_packaging",
     "test_probes", "test_production", "test_real_models", "test_release", "test_setup", "test_slides_browser",

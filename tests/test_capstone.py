@@ -1,9 +1,12 @@
 """The capstone (exercise 07): the solution scores full marks, the pristine exercise 0 (graded, not an error),
-and nine planted mistakes each lose the checks of the property they break, with feedback naming the mistake.
+and eleven planted mistakes each lose the checks of the property they break, with feedback naming the
+mistake; a one-line crash in one piece loses only the checks of the properties that piece touches (the
+reference piece stands in for it), and weights never freed cost more than a crash in the optimizer.
 
 Two `labkit grade DIR --gradebook` runs at once: the solution the whole way (its notebook run too), and a
-batch of eleven `--answers-only` with --jobs 2 (the solution again, whose grade must be the same, the pristine
-exercise and the planted mistakes, which are edits of the solution's answer cells in temporary copies).
+batch of fourteen `--answers-only` with --jobs 2 (the solution again, whose grade must be the same, the
+pristine exercise and the planted mistakes, which are edits of the solution's answer cells in temporary
+copies, one of them under a second name).
 """
 
 from __future__ import annotations
@@ -30,7 +33,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "07_capstone.ipynb"
 EXERCISE = ROOT / "exercises" / "07_capstone.ipynb"
 BATCH_TIMEOUT_S = 240  # per submission; generous: 2 shared cores
-TRAINING, BYTES, FREED, SHARDED_GRADS, STATE, PREFETCH = (c.name for c in load("ex07_capstone").checks)
+FREED, SHARDED_GRADS, GRADIENTS, LOSSES, STATE, BYTES, PREFETCH = (
+    c.name for c in load("ex07_capstone").checks
+)
+NEVER_FREES = [  # every unit's full weights stay gathered from its forward to its backward
+    (
+        "answer-hooks",
+        "def after_forward(unit: Unit) -> None:\n    for p in unit.params:\n        free(p)",
+        "def after_forward(unit: Unit) -> None:\n    pass",
+    )
+]
 
 # mistake -> [(answer cell id, text of the solution, what the mistake writes instead)]
 PLANTED = {
@@ -54,11 +66,14 @@ PLANTED = {
         ),
     ],
     "no_mean": [("answer-hooks", "    mine /= n", "    pass")],  # the sum over ranks, not the mean
-    "kept_after_forward": [  # every unit's full weights stay gathered from its forward to its backward
+    "kept_after_forward": NEVER_FREES,
+    "kept_after_forward_by_another_student": NEVER_FREES,  # the same answer under another name: another seed
+    "optimizer_typo": [("answer-optimizer", "lr=lab.lr,", "lr=lab.learning_rate,")],  # the issue's crash
+    "after_forward_crash": [
         (
             "answer-hooks",
-            "def after_forward(unit: Unit) -> None:\n    for p in unit.params:\n        free(p)",
-            "def after_forward(unit: Unit) -> None:\n    pass",
+            "    for p in unit.params:\n        free(p)\n",
+            "    for p in unit.params:\n        free(p, unit)\n",
         )
     ],
     "full_grads_kept": [("answer-hooks", "        p.grad = None\n", "")],  # autograd accumulates into them
@@ -103,10 +118,13 @@ PLANTED = {
 }
 LOSES = {
     "no_prefetch": {PREFETCH},
-    "parameter_major": {TRAINING},
-    "no_mean": {TRAINING},
+    "parameter_major": {GRADIENTS, LOSSES},
+    "no_mean": {GRADIENTS},
     "kept_after_forward": {FREED},
-    "full_grads_kept": {TRAINING, SHARDED_GRADS, STATE},
+    "kept_after_forward_by_another_student": {FREED},
+    "optimizer_typo": {LOSSES, STATE},  # what AdamW touches; the rest judged with the reference in its place
+    "after_forward_crash": {FREED},
+    "full_grads_kept": {LOSSES, SHARDED_GRADS, STATE},  # autograd adds the next step's to them
     "kept_in_a_global": {FREED, SHARDED_GRADS},
     "kept_as_double": {FREED, SHARDED_GRADS},
     "tensor_swapped_free": {FREED},
@@ -117,6 +135,9 @@ SAYS = {
     "parameter_major": "rank-major",
     "no_mean": "divide the reduce-scatter's sum by n",
     "kept_after_forward": "free them in after_forward",
+    "kept_after_forward_by_another_student": "free them in after_forward",
+    "optimizer_typo": "could not run your make_optimizer: AttributeError",
+    "after_forward_crash": "could not run your after_forward: TypeError",
     "full_grads_kept": "set each p.grad to None",
     "kept_in_a_global": "free them in after_forward",
     "kept_as_double": "free them in after_forward",
@@ -144,7 +165,7 @@ def reports(tmp_path_factory) -> dict[str, dict]:
 def test_the_solution_scores_full_marks_and_its_report_times_each_stage(reports):
     r = reports["solution"]
     assert r["status"] == "graded", r["reason"]
-    assert r["score"] == r["max_score"] == capstone.EXERCISE.max_score == 15, r["checks"]
+    assert r["score"] == r["max_score"] == capstone.EXERCISE.max_score == 20, r["checks"]
     assert all(c["passed"] for c in r["checks"])
     times = r["timings_s"]
     print(f"solution: {r['runtime_s']:.1f} s ({times})")
@@ -161,9 +182,37 @@ def test_answers_only_gives_the_solution_the_grade_of_the_whole_run_without_the_
 def test_the_pristine_exercise_scores_zero_and_is_graded(reports):
     r = reports["pristine"]
     assert r["status"] == "graded", r["reason"]
-    assert r["score"] == 0 and r["max_score"] == 15
+    assert r["score"] == 0 and r["max_score"] == 20
     assert lock_entry(r)["passed"]
     assert all("NotImplementedError" in c["feedback"] for c in answer_checks(r)), r["checks"]
+
+
+def test_the_same_answer_under_two_names_scores_the_same(reports):
+    """Two students, two hidden models: weights never freed cost both the same points."""
+    one, other = reports["kept_after_forward"], reports["kept_after_forward_by_another_student"]
+    assert one["seed"] != other["seed"]
+    assert one["score"] == other["score"] < one["max_score"], (one["checks"], other["checks"])
+
+
+def test_never_freeing_costs_more_than_a_crash_in_the_optimizer(reports):
+    """What makes it ZeRO-3 weighs most: the issue's ordering (0/15 for the typo, 12.75/15 for never freeing)
+    turned around."""
+    never_frees, typo = reports["kept_after_forward"], reports["optimizer_typo"]
+    print(f"\nnever frees: {never_frees['score']}/20; a typo in make_optimizer: {typo['score']}/20")
+    assert never_frees["score"] < typo["score"] < typo["max_score"]
+
+
+@pytest.mark.parametrize("mistake", ["optimizer_typo", "after_forward_crash"])
+def test_a_crash_in_one_piece_keeps_the_points_of_what_it_does_not_touch(reports, mistake):
+    """The reference piece stands in for the crashing one, said in the feedback of every check it judged."""
+    r = reports[mistake]
+    piece = {"optimizer_typo": "make_optimizer", "after_forward_crash": "after_forward"}[mistake]
+    for c in answer_checks(r):
+        if c["name"] in LOSES[mistake]:
+            assert c["points"] == 0 and SAYS[mistake] in c["feedback"], c
+        else:
+            assert c["points"] == c["max_points"], c
+            assert f"judged with the reference {piece} in place of yours" in c["feedback"], c
 
 
 @pytest.mark.parametrize("mistake", list(PLANTED))
@@ -180,12 +229,12 @@ def test_each_planted_mistake_loses_the_checks_of_its_property_and_only_them(rep
     assert r["score"] < r["max_score"]
 
 
-def test_each_student_gets_a_seed_and_the_six_checks_share_one_limited_run(reports):
+def test_each_student_gets_a_seed_and_the_seven_checks_share_one_limited_run(reports):
     seeds = {name: r["seed"] for name, r in reports.items() if name != ANSWERS_ONLY}
     assert seeds["solution"] == submission_seed(0, "ex07_capstone", "solution")
     assert len(set(seeds.values())) == len(seeds)  # a hidden model per student
     [group] = load("ex07_capstone").groups()
-    assert len(group) == 6 and {c.limit_s for c in group} == {capstone.RANKS_LIMIT_S}
+    assert len(group) == 7 and {c.limit_s for c in group} == {capstone.RANKS_LIMIT_S}
     assert capstone.LAUNCH_TIMEOUT_S < capstone.RANKS_LIMIT_S
     assert all(r["limits_s"]["answers"] >= capstone.RANKS_LIMIT_S for r in reports.values())
 
@@ -195,7 +244,8 @@ def test_the_hidden_models_are_uneven_against_3_ranks_and_not_tiny():
 
     for seed in range(40):
         cfg = capstone.model_config(seed)
-        assert cfg != config("tiny") and cfg.n_layers >= 2 and cfg.global_batch % capstone.RANKS == 0
+        # 3 blocks for everyone: with 2, the root and two blocks are the whole model (the forward's bound)
+        assert cfg != config("tiny") and cfg.n_layers == 3 and cfg.global_batch % capstone.RANKS == 0
         for rows in (cfg.vocab_size, cfg.d_model, cfg.d_mlp, cfg.seq_len):
             assert rows % capstone.RANKS, (seed, cfg)
 
@@ -208,13 +258,19 @@ def test_forged_or_malformed_observations_earn_nothing():
         "after_grad": {u: {"weights": 0, "grads": 0, "shard_grads": 0} for u in units},
         "peak": {"bytes": 0, "unit": "root"},
     }
+    training = {"losses": [4.0] * capstone.STEPS, "grads": {}}
+    forged_ranks = {
+        GRADIENTS: training,
+        LOSSES: training,
+        BYTES: {"all_gather": {"wire_bytes": 1}, "reduce_scatter": {"wire_bytes": 1}},
+        FREED: zeros,
+        SHARDED_GRADS: zeros,
+        STATE: {"params": 0, "grads": 0, "optimizer": 0},
+        PREFETCH: {"gathers": [], "order": []},
+    }
     forged = {
-        TRAINING: {"value": [{"losses": [4.0] * capstone.STEPS, "grads": {}}] * capstone.RANKS},
-        BYTES: {"value": [{"all_gather": {"wire_bytes": 1}, "reduce_scatter": {"wire_bytes": 1}}] * 3},
-        FREED: {"value": [zeros] * capstone.RANKS},
-        SHARDED_GRADS: {"value": [zeros] * capstone.RANKS},
-        STATE: {"value": [{"params": 0, "grads": 0, "optimizer": 0}] * capstone.RANKS},
-        PREFETCH: {"value": [{"gathers": [], "order": []}] * capstone.RANKS},
+        name: {"value": {"ranks": [seen] * capstone.RANKS, "stand_ins": {}}}
+        for name, seen in forged_ranks.items()
     }
     malformed = {c.name: {"value": {"score": 10}} for c in exercise.checks}
     for observations in (forged, malformed, {"score": 10}, {}):
@@ -264,7 +320,7 @@ def test_the_memory_probe_weighs_every_full_tensor_a_unit_keeps_and_what_autogra
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mistake", ["solution", "no_mean", "no_prefetch", "kept_after_forward"])
 def test_check_on_the_notebooks_model_flags_what_the_grade_marks_down(mistake):
-    """The student release's check() runs the grade's six checks on the notebook's `tiny`: a wrong gradient
+    """The student release's check() runs the grade's seven checks on the notebook's `tiny`: a wrong gradient
     scale, weights never freed and no prefetch each fail its line there and lose the same check's points in
     the grade; the solution passes both."""
     nb = read(SOLUTION) if mistake == "solution" else planted(mistake)

@@ -797,7 +797,9 @@ def test_forged_or_malformed_observations_earn_nothing():
 # ---------------------------------------------------------------------------- the pieces, in this process
 
 
-def test_a_wrong_padding_formula_never_scores_full_marks_whatever_the_seed():
+def test_a_wrong_padding_formula_scores_the_same_whatever_the_seed_and_never_full_marks():
+    """Every seed's cases exercise the same conditions (issue 46): d0 // n + 1 is wrong on the exact multiples
+    only, and every draw holds the same number of them."""
     exercise = load("ex02_shard")
     shard = exercise.checks[0]
     scores = set()
@@ -807,6 +809,7 @@ def test_a_wrong_padding_formula_never_scores_full_marks_whatever_the_seed():
         scores.add(entry["points"])
         assert not entry["passed"], (seed, entry)
     print(f"d0 // n + 1 over 300 seeds: shard points {sorted(scores)} of {shard.points}")
+    assert scores == {2.0}
 
 
 def test_every_draw_includes_the_edge_cases_of_sharding():

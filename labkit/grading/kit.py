@@ -16,10 +16,16 @@ time limit (`limit_s`: the grader runs each probe in a process of its own and st
 several probes share one expensive run (a launch of ranks), a `group`: a group's probes run one after the
 other in one process, under the largest of their limits. Judges put the edge cases an exercise is about
 first, then cases drawn from the seed, so that a common wrong answer never passes by luck.
+
+Every seed's cases exercise the same conditions (rows not a multiple of the ranks, one rank short of rows,
+an exact multiple, one rank, a world size that does not divide, ...): a drawn case is drawn within the
+condition of its place in the list (`draw_where`), only its sizes and values differ. So a mistake that shows
+under one condition costs every student the same points, whichever cases their seed drew.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -27,7 +33,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,6 +168,92 @@ class SharedLaunch:
         return all(a is b or (not callable(a) and a == b) for a, b in zip(self._key, key, strict=True))
 
 
+STAND_IN_MODULE = "labkit_reference_stand_ins"  # the stand-ins' __name__: not labkit's
+_ABSENT = object()
+
+
+def stand_ins(path: str | Path, names: Sequence[str]) -> dict[str, Callable]:
+    """{name: function} of the grader's reference file `path`, compiled again under `STAND_IN_MODULE` and a
+    file name outside labkit: what a probe puts in place of an answer that raised, so that the answers built
+    on it are still judged. The integrity watch counts labkit code an answer cell calls as that answer's use;
+    an answer that calls a stand-in in place of its own crashed helper has used no grader code. Such a file
+    calls no labkit function an exercise forbids."""
+    namespace: dict = {"__name__": STAND_IN_MODULE}
+    source = Path(path).read_text(encoding="utf-8")
+    code = compile(source, f"<reference {Path(path).stem}>", "exec")
+    exec(code, namespace)  # noqa: S102 (the grader's own file)
+    return {name: namespace[name] for name in names}
+
+
+@contextlib.contextmanager
+def standing_in(fns: Iterable[Callable], replacements: Mapping[str, Callable]) -> Iterator[None]:
+    """While entered, each name of `replacements` is bound to its stand-in in the globals of `fns` (answers,
+    which call one another by name; ranks forked inside see it too); restored on exit."""
+    spaces = {id(g): g for g in (getattr(fn, "__globals__", None) for fn in fns) if isinstance(g, dict)}
+    saved = [(space, name, space.get(name, _ABSENT)) for space in spaces.values() for name in replacements]
+    try:
+        for space, name, _ in saved:
+            space[name] = replacements[name]
+        yield
+    finally:
+        for space, name, value in saved:
+            if value is _ABSENT:
+                space.pop(name, None)
+            else:
+                space[name] = value
+
+
+def crashed_answers(namespace: dict, calls: Mapping[str, Callable[[Callable], Any]]) -> dict[str, str]:
+    """{name: what it raised} for each answer of `calls` ({name: how to call it on a plain case}) that is
+    missing or raises when so called: the helpers a probe stands a reference in for."""
+    crashed = {}
+    for name, call in calls.items():
+        try:
+            call(answer(namespace, name))
+        except Exception as e:  # noqa: BLE001 (the student's answer: any failure is its own)
+            crashed[name] = probe_error(e)
+    return crashed
+
+
+def stood_in(feedback: str, crashed: Iterable[str], why: str = "this answer is judged on its own") -> str:
+    """`feedback` with the note that the reference of each `crashed` answer stood in for it (`why` that is
+    fair); `feedback` alone when none did."""
+    names = ", ".join(crashed)
+    if not names:
+        return feedback
+    return f"{feedback} (judged with the reference {names} in place of yours, which could not run: {why})"
+
+
+def probe_beside(
+    name: str,
+    helpers: Mapping[str, Callable[[Callable], Any]],
+    reference: Mapping[str, Callable],
+    probe: Callable[[Callable, int], Any],
+) -> Callable[[dict, int], dict]:
+    """A probe of the answer `name` built on the helper answers of `helpers` ({helper: how to call it on a
+    plain case}): `probe(answer, seed)`, with `reference`'s stand-in for each helper that raises or is
+    missing, as {"value": ..., "stand_ins": {helper: what it raised}} (`judge_beside` reads it). A crash in
+    a helper then costs the helper's own check, not this one."""
+
+    def probed(namespace: dict, seed: int) -> dict:
+        fn = answer(namespace, name)
+        crashed = crashed_answers(namespace, helpers)
+        with standing_in([fn], {helper: reference[helper] for helper in crashed}):
+            return {"value": probe(fn, seed), "stand_ins": crashed}
+
+    return probed
+
+
+def judge_beside(judge: Callable[[Any, int], tuple[float, str]]) -> Callable[[Any, int], tuple[float, str]]:
+    """`judge` of a `probe_beside` observation, its feedback saying which references stood in."""
+
+    def judged(seen: dict, seed: int) -> tuple[float, str]:
+        fraction, feedback = judge(seen["value"], seed)
+        return fraction, stood_in(feedback, seen["stand_ins"])
+
+    return judged
+
+
 def has_grader_checks() -> bool:
     """Whether this labkit holds the grader's checks (CHECK_MODULES of CHECKS_PACKAGE); the student release
     does not."""
@@ -290,6 +382,25 @@ def rng(seed: int, salt: str) -> random.Random:
     return random.Random(f"{seed}:{salt}")
 
 
+def draw_where(
+    r: random.Random, draw: Callable[[random.Random], Any], condition: Callable[[Any], bool]
+) -> Any:
+    """A case `draw(r)` that meets `condition`: the condition a place in a check's list of cases exercises is
+    fixed, only the case is drawn (drawn again until it meets it; ValueError when 10,000 draws never do)."""
+    for _ in range(10_000):
+        case = draw(r)
+        if condition(case):
+            return case
+    raise ValueError("no drawn case meets the condition: widen the draw")
+
+
+def one_rank_short(d0: int, n: int) -> bool:
+    """Sharding `d0` rows on `n` ranks (ceil(d0/n) each) leaves exactly one rank short of rows: every rank
+    holds real rows, the last fewer than the others (where padding at the wrong end, or none, shows)."""
+    rows = -(-d0 // n)
+    return (n - 1) * rows < d0 and d0 % rows != 0
+
+
 def tensor_json(t: Any) -> dict:
     """A tensor as JSON data: {"shape": [...], "values": [...]} (float values, row-major)."""
     import torch
@@ -299,8 +410,22 @@ def tensor_json(t: Any) -> dict:
     return {"shape": list(t.shape), "values": t.detach().cpu().double().flatten().tolist()}
 
 
-def tensor_mismatch(seen: Any, want: Any, atol: float = 0.0) -> str | None:
-    """None when the JSON tensor `seen` has `want`'s shape and values (within `atol`), else what differs."""
+# What the right values in another order usually mean, in each exercise's words (`tensor_mismatch`).
+PACKING_ORDER = (
+    "the right values in the wrong order (packed parameter by parameter where rank by rank is wanted, or the "
+    "chunks of the wrong ranks?)"
+)
+PADDING_ORDER = (
+    "the right rows in the wrong order (the zero padding rows go at the end of the shard, after this rank's "
+    "real rows, which keep their order)"
+)
+RANK_ORDER = "the right rows in the wrong order (the shards concatenated in rank order, rank 0's rows first)"
+
+
+def tensor_mismatch(seen: Any, want: Any, atol: float = 0.0, order_hint: str = PACKING_ORDER) -> str | None:
+    """None when the JSON tensor `seen` has `want`'s shape and values (within `atol`), else what differs.
+
+    `order_hint`: what the right values in another order (not a transpose) usually mean in this exercise."""
     import torch
 
     shape = list(want.shape)
@@ -315,7 +440,7 @@ def tensor_mismatch(seen: Any, want: Any, atol: float = 0.0) -> str | None:
     return (
         None
         if err <= atol
-        else f"values differ by up to {err:.3g}{_values_hint(values, expected, shape, atol)}"
+        else f"values differ by up to {err:.3g}{_values_hint(values, expected, shape, atol, order_hint)}"
     )
 
 
@@ -329,7 +454,7 @@ def _rows_hint(got: Any, want: list[int]) -> str:
     return f": {-extra} row(s) too few (pad dim 0 to a multiple of n: each shard has ceil(d0 / n) rows)"
 
 
-def _values_hint(values: Any, expected: Any, shape: list[int], atol: float) -> str:
+def _values_hint(values: Any, expected: Any, shape: list[int], atol: float, order_hint: str) -> str:
     """The usual mistakes behind wrong values of the right shape: a constant factor (a mean taken twice or
     not at all), the right values in another order (a transposed or parameter-major layout)."""
     import torch
@@ -350,8 +475,5 @@ def _values_hint(values: Any, expected: Any, shape: list[int], atol: float) -> s
             values.view(shape[1], shape[0]).T.flatten(), expected, atol=tol
         ):
             return ": the right values, transposed"
-        return (
-            ": the right values in the wrong order (packed parameter by parameter where rank by rank is "
-            "wanted, or the chunks of the wrong ranks?)"
-        )
+        return f": {order_hint}"
     return ""

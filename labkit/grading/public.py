@@ -5,7 +5,7 @@ what anyone may know: torch's and DeepSpeed's own results, invariants the exerci
 ceil(d0/n) rows; the shard groups partition the ranks), the exercise's own example (its `parameters` cell),
 and the fact-sheet figures the course prints. Passing them is no grade: the grader's hidden cases decide it.
 A public check's probe returns its cases as [(passed, what was wrong)]; its judge only tallies them. The
-capstone's are the grade's own six (`labkit.grading.capstone`: references from `single`, formulas and sizes),
+capstone's are the grade's own seven (`labkit.grading.capstone`: references from `single`, formulas and sizes),
 on the notebook's model instead of a hidden one.
 """
 
@@ -19,7 +19,7 @@ from unittest import mock
 
 from labkit.errors import error_text
 from labkit.grading import capstone
-from labkit.grading.kit import Check, Exercise, answer, tally, tensor_json, tensor_mismatch
+from labkit.grading.kit import RANK_ORDER, Check, Exercise, answer, tally, tensor_json, tensor_mismatch
 
 _LOCK = threading.Lock()
 DEMO_RANKS = 3  # the exercises' demonstrations run on 3 ranks
@@ -130,7 +130,7 @@ def _round_trip(gather_full: Callable, shards: list, d0: int, width: int) -> str
 
     full = torch.arange(1, d0 * width + 1, dtype=torch.float32).reshape(d0, width)
     rebuilt = gather_full(shards[dist.get_rank()], d0, dist.get_world_size())
-    return tensor_mismatch(tensor_json(rebuilt), full) or ""
+    return tensor_mismatch(tensor_json(rebuilt), full, order_hint=RANK_ORDER) or ""
 
 
 def _gather_cases(ns: dict) -> list:

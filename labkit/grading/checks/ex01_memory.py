@@ -5,21 +5,20 @@ from __future__ import annotations
 from fractions import Fraction
 
 from labkit import budget
-from labkit.grading.kit import Check, Exercise, answer, close, rng, tally
+from labkit.grading.kit import Check, Exercise, answer, close, draw_where, rng, tally
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 # bf16 mixed precision: bytes per parameter of the replicated and of the sharded part, per strategy.
 _SPLIT = {"ddp": (16, 0), "zero1": (4, 12), "zero2": (2, 14), "zero3": (0, 16)}
 _MAX_RANKS = 2**24
+# The drawn state cases' world sizes, one each: one rank (nothing sharded), a few, many, not a power of two.
+STATE_RANKS = (1, 8, 64, 1000)
 
 
 def _state_cases(seed: int, strategy: str) -> list[tuple[float, int]]:
+    """The fact sheet's case, then drawn parameter counts on each of STATE_RANKS."""
     r = rng(seed, f"state-{strategy}")
-    drawn = [
-        (float(r.randrange(1, 2000) * 10 ** r.randrange(6, 9)), r.choice([1, 2, 8, 64, 1000]))
-        for _ in range(4)
-    ]
-    return [(30e9, 256), *drawn]
+    return [(30e9, 256), *((float(r.randrange(1, 2000) * 10 ** r.randrange(6, 9)), n) for n in STATE_RANKS)]
 
 
 def _state_check(strategy: str) -> Check:
@@ -43,12 +42,24 @@ def _state_check(strategy: str) -> Check:
     return Check(f"state bytes per rank: {strategy}", 1, probe, judge, answers=("state_bytes_per_rank",))
 
 
+def _needs_several_ranks(case: tuple[float, float, str]) -> bool:
+    """The state fits, on more than one rank (the answer is a world size, not 1 nor None)."""
+    fewest = _fewest_ranks_exact(*case)
+    return fewest is not None and fewest > 1 and _fewest_ranks_plan(*case) is not None
+
+
 def _fit_cases(seed: int) -> list[tuple[float, float, str]]:
+    """Fixed: fits on one rank, never fits, needs several; then a ZeRO-3 and a ZeRO-1 case drawn that need
+    several ranks."""
     r = rng(seed, "fit")
     fixed = [(7e9, 80e9, "zero3"), (7e9, 80e9, "ddp"), (1e9, 80e9, "ddp"), (30e9, 80e9, "zero2")]
     drawn = [
-        (float(r.randrange(1, 200) * 1e9), float(r.choice([24, 40, 80, 141]) * 1e9), r.choice(STRATEGIES)),
-        (float(r.randrange(1, 100) * 1e9), 80e9, "zero1"),
+        draw_where(
+            r,
+            lambda r: (float(r.randrange(1, 200) * 1e9), float(r.choice([24, 40, 80, 141]) * 1e9), "zero3"),
+            _needs_several_ranks,
+        ),
+        draw_where(r, lambda r: (float(r.randrange(1, 100) * 1e9), 80e9, "zero1"), _needs_several_ranks),
     ]
     return fixed + drawn
 

@@ -2,16 +2,21 @@
 
 Every grade includes the three edge cases of sharding (fewer rows than ranks, rows not a multiple of the
 ranks, rows an exact multiple: where `d0 // n + 1` and `d0 // n` part from `ceil(d0 / n)`), then cases
-drawn from the seed."""
+drawn from the seed, each within a fixed condition (`_DRAWN`): every student's cases exercise the same
+conditions, so a mistake costs everyone the same points."""
 
 from __future__ import annotations
 
 from labkit.grading import ranks
 from labkit.grading.kit import (
+    PADDING_ORDER,
+    RANK_ORDER,
     Check,
     Exercise,
     answer,
+    draw_where,
     launch_timeout,
+    one_rank_short,
     rng,
     tally,
     tensor_json,
@@ -23,15 +28,28 @@ LAUNCH_TIMEOUT_S = 60.0
 GATHER_LIMIT_S = 75.0
 
 
+def _exact(d0: int, n: int) -> bool:
+    return d0 % n == 0
+
+
+# The drawn cases, in order: (dims, condition on (d0, n), which of the check's world sizes).
+_DRAWN = ((2, one_rank_short, -1), (2, _exact, 1), (3, one_rank_short, 0))
+
+
 def _cases(seed: int, salt: str, world_sizes: tuple[int, ...]) -> list[tuple[tuple[int, ...], int]]:
-    """(shape, world_size) pairs: the edge cases first (d0 % n != 0, d0 < n, d0 = n * k, 1-D), then drawn ones."""
+    """(shape, world_size) pairs: the edge cases first (d0 % n != 0, d0 < n, d0 = n * k, 1-D), then one drawn
+    case per condition of `_DRAWN` (its sizes from the seed)."""
     r = rng(seed, salt)
     n0 = world_sizes[0]
     fixed = [((7, 4), n0), ((2, 3), n0), ((2 * n0, 2), n0), ((5,), n0)]
     if 4 in world_sizes:
         fixed += [((8,), 4), ((1, 2), 4)]
-    drawn = [((r.randrange(1, 14), r.randrange(1, 6)), r.choice(world_sizes)) for _ in range(2)]
-    return fixed + drawn + [((r.randrange(1, 9), 2, 3), r.choice(world_sizes))]
+    drawn = []
+    for dims, condition, which in _DRAWN:
+        n = world_sizes[which % len(world_sizes)]
+        d0 = draw_where(r, lambda r: r.randrange(1, 14), lambda d0, n=n, c=condition: c(d0, n))
+        drawn.append(((d0, *(r.randrange(2, 6) for _ in range(dims - 1))), n))
+    return fixed + drawn
 
 
 def _full(seed: int, i: int, shape: tuple[int, ...]):
@@ -58,7 +76,11 @@ def _shard_judge(got: list, seed: int) -> tuple[float, str]:
         problems = [
             f"rank {r}: {why}"
             for r in range(n)
-            if (why := tensor_mismatch(shards[r] if r < len(shards) else None, shard_dim0(full, r, n)))
+            if (
+                why := tensor_mismatch(
+                    shards[r] if r < len(shards) else None, shard_dim0(full, r, n), order_hint=PADDING_ORDER
+                )
+            )
         ]
         cases.append((not problems, f"shape {list(shape)} on {n} ranks, {problems[0] if problems else ''}"))
     return tally(cases)
@@ -91,7 +113,9 @@ def _gather_judge(got: list, seed: int) -> tuple[float, str]:
     for i, (shape, _) in enumerate(_cases(seed, "gather", (GATHER_RANKS,))):
         full = _full(seed, i, shape)
         problems = [
-            f"rank {r}: {why}" for r in range(GATHER_RANKS) if (why := tensor_mismatch(got[r][i], full))
+            f"rank {r}: {why}"
+            for r in range(GATHER_RANKS)
+            if (why := tensor_mismatch(got[r][i], full, order_hint=RANK_ORDER))
         ]
         cases.append((not problems, f"shape {list(shape)}, {problems[0] if problems else ''}"))
     return tally(cases)

@@ -10,10 +10,14 @@ from __future__ import annotations
 from labkit.grading import ranks
 from labkit.grading.kit import (
     Check,
+    Diagnosis,
     Exercise,
     SharedLaunch,
     answer,
+    draw_where,
     launch_timeout,
+    one_rank_short,
+    probe_error,
     rng,
     tally,
     tensor_json,
@@ -27,16 +31,23 @@ BOTH = ("reduce_scatter_mean", "pack_grads")
 ATOL = 1e-5
 
 
+def _uneven(rows: int) -> bool:
+    """Exactly one rank short of rows (or elements) on RANKS ranks: its shard is padded, no rank is empty."""
+    return one_rank_short(rows, RANKS)
+
+
 def _flat_numels(seed: int) -> list[int]:
-    """Uneven (10), an exact multiple of the ranks (9), fewer elements than ranks (2), then one drawn."""
+    """Uneven (10), an exact multiple of the ranks (9), fewer elements than ranks (2), then one drawn uneven."""
     r = rng(seed, "flat")
-    return [10, 9, 2, r.choice([7, 11, 12, 13, 14])]
+    return [10, 9, 2, draw_where(r, lambda r: r.randrange(4, 15), _uneven)]
 
 
 def _shapes(seed: int) -> list[list[tuple[int, ...]]]:
+    """Uneven and fewer rows than ranks; exact multiples; then a drawn pair, both uneven (a 2-D and a 1-D)."""
     r = rng(seed, "pack")
-    fixed = [[(5, 3), (7,), (2, 4)], [(6, 2), (3,)]]  # uneven and fewer rows than ranks; exact multiples
-    return [*fixed, [(r.randrange(1, 8), r.randrange(1, 4)), (r.randrange(1, 6),)]]
+    fixed = [[(5, 3), (7,), (2, 4)], [(6, 2), (3,)]]
+    rows = [draw_where(r, lambda r: r.randrange(4, 9), _uneven) for _ in range(2)]
+    return [*fixed, [(rows[0], r.randrange(2, 4)), (rows[1],)]]
 
 
 def _grad(seed: int, rank: int, key: int, shape: tuple[int, ...]):
@@ -73,13 +84,35 @@ def _reference_shard(full, rank: int, n: int):
     return padded[rank * chunk : (rank + 1) * chunk]
 
 
+def _packed_buffers(pack_grads, seed: int) -> list | str:
+    """On each rank: its send buffer of every packed case, or what `pack_grads` raised (on this rank or
+    another: the ranks agree by an all-reduce, so that all of them skip the packed reduce-scatters together
+    and a crash in `pack_grads` costs only the checks that need it)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    try:
+        buffers, why = [], ""
+        for s, shapes in enumerate(_shapes(seed)):
+            grads = [_grad(seed, rank, 100 + 10 * s + k, shape) for k, shape in enumerate(shapes)]
+            buffers.append(pack_grads(grads, n))
+    except Exception as e:  # noqa: BLE001 (the student's pack_grads: any failure is its own)
+        buffers, why = [], probe_error(e)
+    failed = torch.tensor([1 if why else 0])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    return (why or "pack_grads raised on another rank") if failed.item() else buffers
+
+
 def _rank(reduce_scatter_mean, pack_grads, seed: int) -> dict:
-    """On each rank: the flat cases (recording which collectives the answer calls), then the packed ones."""
+    """On each rank: the packed buffers, then the flat cases (recording which collectives the answer calls),
+    then the packed ones (or, when pack_grads raised, what it raised)."""
     import torch.distributed as dist
 
     from labkit.collectives import COLLECTIVES, Patch
 
     rank, n = dist.get_rank(), dist.get_world_size()
+    buffers = _packed_buffers(pack_grads, seed)
     calls: list[str] = []
 
     def watch(name, fn):
@@ -94,10 +127,9 @@ def _rank(reduce_scatter_mean, pack_grads, seed: int) -> dict:
             tensor_json(reduce_scatter_mean(_grad(seed, rank, k, (m,)), n))
             for k, m in enumerate(_flat_numels(seed))
         ]
-    packed = []
-    for s, shapes in enumerate(_shapes(seed)):
-        grads = [_grad(seed, rank, 100 + 10 * s + k, shape) for k, shape in enumerate(shapes)]
-        packed.append(tensor_json(reduce_scatter_mean(pack_grads(grads, n), n)))
+    packed = (
+        buffers if isinstance(buffers, str) else [tensor_json(reduce_scatter_mean(b, n)) for b in buffers]
+    )
     return {"flat": flat, "calls": calls, "packed": packed}
 
 
@@ -166,7 +198,11 @@ def _pack_judge(got: list, seed: int) -> tuple[float, str]:
 
 
 def _packed_probe(ns: dict, seed: int) -> list:
-    return [rank["packed"] for rank in _launch(ns, seed)]
+    packed = [rank["packed"] for rank in _launch(ns, seed)]
+    raised = next((p for p in packed if isinstance(p, str)), None)
+    if raised is not None:
+        raise Diagnosis(f"your pack_grads raised {raised} (the flat-buffer checks were judged without it)")
+    return packed
 
 
 def _packed_judge(got: list, seed: int) -> tuple[float, str]:

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import functools
 import threading
+from pathlib import Path
 
-from labkit.grading.kit import Check, Exercise, answer, rng, tally
+from labkit.grading.checks import ex04_prefetch_reference
+from labkit.grading.kit import Check, Exercise, answer, judge_beside, probe_beside, rng, stand_ins, tally
 
 MOMENTS = ("before_forward", "before_backward")
+# The schedule and the counts may call the student's orders: a reference stands in for one that raises.
+ORDERS = dict.fromkeys(ex04_prefetch_reference.ORDERS, lambda fn: fn(3))
+REFERENCE = stand_ins(Path(ex04_prefetch_reference.__file__), ex04_prefetch_reference.ORDERS)
 _LOCK = threading.Lock()
 
 
 def _n_blocks(seed: int) -> list[int]:
-    return [4, rng(seed, "blocks").choice([1, 2, 3, 5, 6])]
+    """One block (nothing after it to prefetch), four, then a drawn count of several."""
+    return [1, 4, rng(seed, "blocks").choice([2, 3, 5, 6])]
 
 
 @functools.cache
@@ -104,8 +110,7 @@ def _orders_judge(got: list, seed: int) -> tuple[float, str]:
     return tally(cases)
 
 
-def _schedule_probe(ns: dict, seed: int) -> list:
-    fn = answer(ns, "prefetch_schedule")
+def _schedule_probe(fn, seed: int) -> list:
     return [[list(step) for step in fn(n)] for n in _n_blocks(seed)]
 
 
@@ -124,8 +129,7 @@ def _schedule_judge(got: list, seed: int) -> tuple[float, str]:
     return tally(cases)
 
 
-def _count_probe(ns: dict, seed: int) -> list:
-    fn = answer(ns, "all_gathers_per_step")
+def _count_probe(fn, seed: int) -> list:
     return [[int(fn(n, True)), int(fn(n, False))] for n in _n_blocks(seed)]
 
 
@@ -157,15 +161,15 @@ EXERCISE = Exercise(
         Check(
             "prefetch schedule of a steady step",
             3,
-            _schedule_probe,
-            _schedule_judge,
+            probe_beside("prefetch_schedule", ORDERS, REFERENCE, _schedule_probe),
+            judge_beside(_schedule_judge),
             answers=("prefetch_schedule",),
         ),
         Check(
             "all-gathers per step, with and without reshard_after_forward",
             2,
-            _count_probe,
-            _count_judge,
+            probe_beside("all_gathers_per_step", ORDERS, REFERENCE, _count_probe),
+            judge_beside(_count_judge),
             answers=("all_gathers_per_step",),
         ),
     ),

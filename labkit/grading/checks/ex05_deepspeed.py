@@ -11,16 +11,26 @@ from __future__ import annotations
 import json
 
 from labkit.errors import error_text
-from labkit.grading.kit import Check, Exercise, answer, rng, tally
+from labkit.grading.kit import Check, Exercise, answer, draw_where, rng, tally
 from labkit.grading.public import parse
 
 OFFLOAD = ("offload_config",)
 
 
+FIXED = (4, 2, 8)  # (world_size, micro_batch, gpus_per_node): 4 ranks on one node of 8
+
+
+def _apart(case: tuple[int, int, int]) -> bool:
+    """Several whole nodes, and no size (nor the train batch) the fixed case has: a number typed in shows."""
+    n, micro, gpn = case
+    return n > gpn and n % gpn == 0 and micro * n != FIXED[0] * FIXED[1]
+
+
 def _cases(seed: int) -> list[tuple[int, int, int]]:
-    """(world_size, micro_batch, gpus_per_node)."""
+    """(world_size, micro_batch, gpus_per_node): FIXED, then one drawn on several nodes (`_apart`)."""
     r = rng(seed, "configs")
-    return [(4, 2, 8), (r.choice([1, 2, 8, 16]), r.randrange(1, 5), r.choice([2, 4, 8]))]
+    drawn = draw_where(r, lambda r: (r.choice([8, 16]), r.choice([1, 3, 4]), r.choice([2, 4])), _apart)
+    return [FIXED, drawn]
 
 
 def _json_dict(value) -> dict:

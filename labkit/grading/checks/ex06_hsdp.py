@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 from labkit import budget
-from labkit.grading.kit import Check, Exercise, answer, close, rng, tally
+from labkit.grading.kit import Check, Exercise, answer, close, draw_where, rng, tally
 from labkit.grading.public import bytes_said, hsdp_traffic_by_collective
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
+def _oblong(case: tuple[float, int, int]) -> bool:
+    """Several shard groups, and not as many as a group's ranks: the two axes of the mesh differ in size."""
+    _, n, g = case
+    return g < n and n != g * g
+
+
 def _cases(seed: int) -> list[tuple[float, int, int]]:
-    """(params, world_size, group_size) with group_size dividing world_size."""
+    """(params, world_size, group_size) with group_size dividing world_size: the fact sheet's, then two drawn
+    `_oblong` meshes."""
     r = rng(seed, "mesh")
-    drawn = []
-    for _ in range(2):
-        n = r.choice([4, 16, 64, 256])
-        drawn.append((float(r.randrange(1, 100) * 1e9), n, r.choice([g for g in (2, 4, 8) if g <= n])))
-    return [(30e9, 512, 8), *drawn]
+
+    def draw(r) -> tuple[float, int, int]:
+        return float(r.randrange(1, 100) * 1e9), r.choice([4, 16, 64, 256]), r.choice([2, 4, 8])
+
+    return [(30e9, 512, 8), *(draw_where(r, draw, _oblong) for _ in range(2))]
 
 
 def reference_groups(world_size: int, group_size: int) -> tuple[list[list[int]], list[list[int]]]:

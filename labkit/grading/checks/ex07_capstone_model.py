@@ -11,11 +11,14 @@ from labkit.grading.kit import rng
 
 RANKS = 3
 STEPS = 3
+N_LAYERS = 3
 
 
 def model_config(seed: int):
     """The model the grader trains: tiny's kind of GPT, its dim-0 sizes (vocab, d_model, 4 d_model, seq_len)
-    not multiples of 3, so every rank's shards carry padding."""
+    not multiples of 3, so every rank's shards carry padding. Always 3 blocks: with 2, the root and two blocks
+    (what may be whole at once during the forward) are the whole model, so weights never freed would pass
+    the forward's peak for some students and not others."""
     from labkit.model import ModelConfig
 
     r = rng(seed, "model")
@@ -24,7 +27,7 @@ def model_config(seed: int):
         vocab_size=r.choice([37, 41, 43, 47, 53]),
         d_model=d_model,
         n_heads=n_heads,
-        n_layers=r.choice([2, 3]),
+        n_layers=N_LAYERS,
         seq_len=r.choice([7, 8, 10, 11, 13]),
         global_batch=6,
     )

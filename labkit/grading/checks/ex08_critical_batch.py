@@ -8,9 +8,25 @@ about to run: `labkit.grading.gradients`) and against FSDP2's reduce-scatter for
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from labkit.budget import closed_form_critical_tokens
 from labkit.grading import gradients, ranks
-from labkit.grading.kit import Check, Exercise, SharedLaunch, answer, close, launch_timeout, rng, tally
+from labkit.grading.checks import ex08_critical_batch_reference
+from labkit.grading.kit import (
+    Check,
+    Exercise,
+    SharedLaunch,
+    answer,
+    close,
+    draw_where,
+    judge_beside,
+    launch_timeout,
+    probe_beside,
+    rng,
+    stand_ins,
+    tally,
+)
 
 RANKS = 2
 MICRO_STEPS = 2
@@ -18,14 +34,15 @@ STEPS = 2
 LAUNCH_TIMEOUT_S = 90.0
 REL = 1e-5  # float32 both sides: only the order of the sums differs
 _MACHINES = ((989e12 * 0.4, 50e9, 2), (312e12 * 0.5, 25e9, 2), (989e12 * 0.4, 400e9, 4))
+# largest_useful_world_size may call the student's threshold: a reference stands in for one that raises.
+CRITICAL = {"critical_tokens_per_rank": lambda fn: fn(*_MACHINES[0], 256)}
+REFERENCE = stand_ins(Path(ex08_critical_batch_reference.__file__), list(CRITICAL))
 
 
 def _critical_cases(seed: int) -> list[tuple[float, float, float, int]]:
+    """The fact sheet's, two ranks, then one drawn case for each gradient width b of 1, 2 and 4 bytes."""
     r = rng(seed, "critical")
-    drawn = [
-        (r.uniform(1e13, 1e15), r.uniform(1e9, 4e11), r.choice([1, 2, 4]), r.choice([2, 8, 64, 1000]))
-        for _ in range(3)
-    ]
+    drawn = [(r.uniform(1e13, 1e15), r.uniform(1e9, 4e11), w, r.choice([8, 64, 1000])) for w in (1, 2, 4)]
     return [(989e12 * 0.4, 50e9, 2, 256), (1e12, 1e9, 4, 2), *drawn]
 
 
@@ -44,9 +61,22 @@ def _critical_judge(got: list, seed: int) -> tuple[float, str]:
     return tally(cases)
 
 
+def _several_nodes(case: tuple[float, float, float, float, int]) -> bool:
+    """The answer is one world size of at least two whole nodes (not None, not a boundary case)."""
+    accepted = reference_useful(*case)
+    return len(accepted) == 1 and accepted[0] is not None and accepted[0] >= 2 * case[-1]
+
+
 def _useful_cases(seed: int) -> list[tuple[float, float, float, float, int]]:
+    """Fixed: a world size, and None (not even one node); then one drawn case per machine of `_MACHINES`
+    whose answer is several nodes."""
     r = rng(seed, "useful")
-    drawn = [(float(r.randrange(1, 64) * 2**20), *r.choice(_MACHINES), r.choice([4, 8])) for _ in range(3)]
+    drawn = [
+        draw_where(
+            r, lambda r, m=machine: (float(r.randrange(1, 64) * 2**20), *m, r.choice([4, 8])), _several_nodes
+        )
+        for machine in _MACHINES
+    ]
     return [(4e6, 989e12 * 0.4, 50e9, 2, 8), (1000.0, 989e12 * 0.4, 50e9, 2, 8), *drawn]
 
 
@@ -65,8 +95,7 @@ def reference_useful(
         best, n = n, n + gpn
 
 
-def _useful_probe(ns: dict, seed: int) -> list:
-    fn = answer(ns, "largest_useful_world_size")
+def _useful_probe(fn, seed: int) -> list:
     out = []
     for case in _useful_cases(seed):
         value = fn(*case)
@@ -178,8 +207,8 @@ EXERCISE = Exercise(
         Check(
             "largest useful world size",
             2,
-            _useful_probe,
-            _useful_judge,
+            probe_beside("largest_useful_world_size", CRITICAL, REFERENCE, _useful_probe),
+            judge_beside(_useful_judge),
             answers=("largest_useful_world_size", "critical_tokens_per_rank"),
         ),
         Check(
