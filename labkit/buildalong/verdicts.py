@@ -353,26 +353,29 @@ def _backward_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
     }
 
 
-def _first_wrong_shape(ranks: list[dict], key: str, shapes_of) -> tuple | None:
-    """(rank, name, wanted shape, the shape it has or None) of the first tensor under `key` whose shape is not
-    `shapes_of(rank's record)[name]`; None when every rank's are right."""
+def _wrong_shape(ranks: list[dict], key: str, shapes_of, noun: str, sentence: str) -> str | None:
+    """`sentence` (fields rank, name, shape, said) of the first tensor under `key` whose shape is not
+    `shapes_of(rank's record)[name]`, `said` being "no {noun}" or "a {noun} of shape ..."; None when all fit."""
     for rank, r in enumerate(ranks):
         for name, shape in shapes_of(r).items():
             got = r[key].get(name)
             if got is None or tuple(got.shape) != shape:
-                return rank, name, shape, None if got is None else tuple(got.shape)
+                said = f"no {noun}" if got is None else f"a {noun} of shape {tuple(got.shape)}"
+                return sentence.format(rank=rank, name=name, shape=shape, said=said)
     return None
 
 
 def _backward_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | None:
-    wrong = _first_wrong_shape(ranks, "grads", lambda r: m.shapes)
+    wrong = _wrong_shape(
+        ranks,
+        "grads",
+        lambda r: m.shapes,
+        "gradient",
+        "after backward {name} has {said} on rank {rank}, want its full shape {shape}: the backward needs the "
+        "full weights, gathered in before_backward",
+    )
     if wrong:
-        rank, name, shape, got = wrong
-        said = "no gradient" if got is None else f"a gradient of shape {got}"
-        return (
-            f"after backward {name} has {said} on rank {rank}, want its full shape {shape}: the backward needs the "
-            "full weights, gathered in before_backward"
-        )
+        return wrong
     if figures["mistake"]:
         return f"{figures['mistake']}: backward must see the same full weights as forward"
     if figures["wire_bytes"] != figures["formula_bytes"]:
@@ -487,14 +490,16 @@ def _scatter_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
 
 def _scatter_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | None:
     r0 = ranks[0]
-    wrong = _first_wrong_shape(ranks, "shard_grads", lambda r: r["shard_shapes"])
+    wrong = _wrong_shape(
+        ranks,
+        "shard_grads",
+        lambda r: r["shard_shapes"],
+        ".grad",
+        "after backward rank {rank}'s shard of {name} has {said}, want its shard's shape {shape}: after_grad must "
+        "set each shard's .grad to its rows of the mean gradient",
+    )
     if wrong:
-        rank, name, shape, got = wrong
-        said = "no .grad" if got is None else f"a .grad of shape {got}"
-        return (
-            f"after backward rank {rank}'s shard of {name} has {said}, want its shard's shape {shape}: after_grad "
-            "must set each shard's .grad to its rows of the mean gradient"
-        )
+        return wrong
     if figures["mistake"] and " x single's: " in figures["mistake"]:
         return figures["mistake"]
     if figures["mistake"]:
