@@ -1473,6 +1473,19 @@ def assert_check_and_grade_agree(exercise_id: str, nb, says: str = "") -> tuple[
 SOL06 = ROOT / "solutions" / "06_hsdp.ipynb"
 SUM_NOT_MEAN = "every value is 3 times too large (a factor of the ranks: the sum where the mean is wanted"
 PLANTED_PUBLIC = {  # exercise id -> solution, {mistake: ([(answer cell id, solution's text, mistake's)], says)}
+    "ex01_memory": (
+        SOL01,
+        {
+            "zero2_keeps_gradients": (  # ZeRO-2 priced as ZeRO-1: the gradients not sharded
+                [("answer-state", '"zero2": (2, 14)', '"zero2": (4, 12)')],
+                "6.16406e+10 B",
+            ),
+            "zero1_replicates_everything": (
+                [("answer-state", '"zero1": (4, 12)', '"zero1": (16, 0)')],
+                "1.21406e+11 B",
+            ),
+        },
+    ),
     "ex03_reduce_scatter": (
         SOL03,
         {

@@ -47,13 +47,12 @@ def _state_cases(ns: dict) -> list:
     p, n = FACT_PARAMS, FACT_RANKS
     chain = [float(fn(p, n, s)) for s in ("ddp", "zero1", "zero2", "zero3")]
     return [
-        (
-            math.isclose(chain[0], want := _fact_sheet_state("ddp"), abs_tol=16),
-            f"ddp, 30e9 params: {chain[0]:g} B, the fact sheet's {want:g} B",
-        ),
-        (
-            math.isclose(chain[3], want := _fact_sheet_state("zero3"), abs_tol=16),
-            f"zero3, 30e9 on 256 ranks: {chain[3]:g} B, the fact sheet's {want:g} B",
+        *(
+            (
+                math.isclose(got, want := _fact_sheet_state(s), abs_tol=16),
+                f"{s}, 30e9 params on 256 ranks: {got:g} B, the fact sheet's {want:g} B",
+            )
+            for s, got in zip(("ddp", "zero1", "zero2", "zero3"), chain, strict=True)
         ),
         (chain == sorted(chain, reverse=True), f"ddp >= zero1 >= zero2 >= zero3 on 256 ranks: {chain}"),
         (
