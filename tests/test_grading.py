@@ -1455,18 +1455,22 @@ def public_and_grade(exercise_id: str, nb, seed: int = 3) -> tuple[list[dict], l
     return out[0], out[1]
 
 
-def assert_check_and_grade_agree(exercise_id: str, nb, says: str = "") -> tuple[list[dict], list[dict]]:
-    """A planted mistake (`says`: a phrase its feedback names) loses points in the grade and fails a line of
-    check(), naming it in both; the solution (`says` empty) passes both in full."""
+def assert_check_and_grade_agree(
+    exercise_id: str, nb, says: str | tuple[str, str] = ""
+) -> tuple[list[dict], list[dict]]:
+    """A planted mistake (`says`: a phrase its feedback names, or the grade's and check()'s own phrases where
+    the grade compares with the engine and check() states the rule) loses points in the grade and fails a line
+    of check(), naming it in both; the solution (`says` empty) passes both in full."""
     shown, graded = public_and_grade(exercise_id, nb)
     if not says:
         assert all(e["passed"] for e in shown + graded), (shown, graded)
         return shown, graded
+    in_grade, in_check = (says, says) if isinstance(says, str) else says
     lost = [e for e in graded if e["points"] < e["max_points"]]
     failing = [e for e in shown if not e["passed"]]
     assert lost and failing, (exercise_id, shown, graded)
-    assert any(says in e["feedback"] for e in lost), (says, lost)
-    assert any(says in e["feedback"] for e in failing), (says, failing)
+    assert any(in_grade in e["feedback"] for e in lost), (in_grade, lost)
+    assert any(in_check in e["feedback"] for e in failing), (in_check, failing)
     return shown, graded
 
 
@@ -1509,6 +1513,25 @@ PLANTED_PUBLIC = {  # exercise id -> solution, {mistake: ([(answer cell id, solu
                     )
                 ],
                 "too few (pad dim 0 to a multiple of n",
+            ),
+        },
+    ),
+    "ex04_prefetch": (
+        ROOT / "solutions" / "04_prefetch.ipynb",
+        {
+            "backward_in_forward_order": (
+                [("answer-orders", "for i in reversed(range(n_blocks))]", "for i in range(n_blocks)]")],
+                ("the engine recorded ['root', 'blocks.3'", "backward visits the blocks in reverse"),
+            ),
+            "reshard_ignored": (
+                [
+                    (
+                        "answer-count",
+                        "return 2 * units if reshard_after_forward else units",
+                        "return 2 * units",
+                    )
+                ],
+                ("reshard_after_forward=False", "resharding after forward gathers again in backward"),
             ),
         },
     ),
