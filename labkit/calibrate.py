@@ -10,11 +10,15 @@
                            reduce-scatter and all-reduce: a line through a few message sizes, fitted by
                            the median of the pairwise slopes (Theil-Sen), which one slow call cannot tilt
     sync_s[n]              what one wait on the other ranks costs mid-step, beyond the collective itself:
-                           the same steps with a barrier after each block's forward and backward, less the
-                           steps without, per barrier (slowest rank). Ranks drift apart while they compute
-                           (they share cores, the scheduler deals them time slices); a collective waited on
-                           at once makes every rank wait for the last one, where a prefetched one absorbs
-                           the drift behind the next block's compute
+                           the same steps with a barrier after each block's forward and backward, timing
+                           each rank's seconds inside the barriers. Every rank leaves a barrier with the
+                           last to arrive, so a synced step lasts each rank's compute plus its waits: the
+                           rank that computed longest waited least, and its waits are what the barriers
+                           added to the step. Per barrier, the median over steps of the least of the ranks'
+                           waits (one run's own figure: no difference of two noisy step times). Ranks drift
+                           apart while they compute (they share cores, the scheduler deals them time
+                           slices); a collective waited on at once makes every rank wait for the last one,
+                           where a prefetched one absorbs the drift behind the next block's compute
 
 Every time is the rank's clock (`labkit.probes.clock`): on ranks with a core each, wall time less the
 moments a rank waited for a core, so a neighbour's load does not enter the rates; the profile records how
@@ -99,21 +103,34 @@ def collective_fit(points: list[tuple[int, float]]) -> dict:
 # ------------------------------------------------------------------------------------------ rank side
 
 
-def _train_steps_s(model_name: str, world_size: int, rank: int, synced: bool = False) -> list[float]:
-    """Seconds of each timed training step (no collectives) of `single`'s step on this rank's batch slice;
-    `synced`: with a barrier after each block's forward and each block's backward (`synced_waits`)."""
+def _train_steps_s(
+    model_name: str, world_size: int, rank: int, synced: bool = False
+) -> tuple[list[float], list[float]]:
+    """(seconds of each timed training step of `single`'s step on this rank's batch slice, seconds of each
+    spent waiting in barriers); `synced`: with a barrier after each block's forward and each block's backward
+    (`synced_waits`), none otherwise (its waits are 0)."""
     from labkit.engines.loop import timed_step
     from labkit.engines.single import SingleEngine
 
     cfg = RunConfig(model=model_name)
     engine = SingleEngine(build_model(model_name), cfg, torch.device("cpu"))
+    clock, waited = rank_clock(), [0.0]
+
+    def wait(*_) -> None:
+        start = clock.now()
+        dist.barrier()
+        waited[0] += clock.now() - start
+
     if synced:
         for block in engine.model.blocks:
-            block.register_forward_hook(lambda *_: dist.barrier())
-            block.register_full_backward_hook(lambda *_: dist.barrier())
-    return [
-        timed_step(engine, s, batch(s, model_name, 0, world_size, rank))[1] for s in range(COMPUTE_STEPS + 1)
-    ][1:]
+            block.register_forward_hook(wait)
+            block.register_full_backward_hook(wait)
+    steps, waits = [], []
+    for s in range(COMPUTE_STEPS + 1):
+        waited[0] = 0.0
+        steps.append(timed_step(engine, s, batch(s, model_name, 0, world_size, rank))[1])
+        waits.append(waited[0])
+    return steps[1:], waits[1:]
 
 
 def synced_waits(model_name: str) -> int:
@@ -151,15 +168,19 @@ def _measure_rank(model_name: str, alone_first: bool, repeats: int) -> dict:
     their medians. One thread per rank, as the engines run."""
     torch.set_num_threads(1)
     rank, n = dist.get_rank(), dist.get_world_size()
-    out: dict = {"alone_s": [], "together_s": [], "synced_s": []}
+    out: dict = {"alone_s": [], "together_s": [], "synced_waits_s": []}
     delay, wall_s = RankClock(), time.perf_counter()
     for i in range(repeats):
         if alone_first:
             if rank == 0:
-                out["alone_s"] += _train_steps_s(model_name, 1, 0)
+                out["alone_s"] += _train_steps_s(model_name, 1, 0)[0]
             dist.barrier()
         for synced in (False, True) if i % 2 == 0 else (True, False):
-            out["synced_s" if synced else "together_s"] += _train_steps_s(model_name, n, rank, synced)
+            steps_s, waits_s = _train_steps_s(model_name, n, rank, synced)
+            if synced:
+                out["synced_waits_s"] += waits_s
+            else:
+                out["together_s"] += steps_s
             dist.barrier()
     out["collectives"] = {k: _collectives_s(k, n) for k in KINDS}
     out["run_delay_share"] = delay.run_delay_s() / (time.perf_counter() - wall_s)
@@ -167,6 +188,12 @@ def _measure_rank(model_name: str, alone_first: bool, repeats: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ parent
+
+
+def drift_per_wait_s(waits_by_rank: list[list[float]], waits_per_step: int) -> list[float]:
+    """Per synced step, what one barrier added to it (seconds): the least of the ranks' seconds inside the
+    step's `waits_per_step` barriers, over that count. `waits_by_rank[r][s]`: rank r's waits in step s."""
+    return [min(step) / waits_per_step for step in zip(*waits_by_rank, strict=True)]
 
 
 def _slowest(per_rank: list[list[float]]) -> float:
@@ -195,7 +222,7 @@ def calibrate(
         raise ValueError(f"world_sizes={world_sizes!r}: pass world sizes of 2 ranks or more, e.g. (2, 4)")
     rate = None
     core_share, collectives, sync_s = {"1": 1.0}, {k: {} for k in KINDS}, {"1": 0.0}
-    noise: dict[str, dict[str, float]] = {"run_delay_share": {}, "compute_spread": {}}
+    noise: dict[str, dict[str, float]] = {"run_delay_share": {}, "compute_spread": {}, "sync_spread": {}}
     for n in sizes:
         ranks = labkit.launch(
             _measure_rank, n, model, rate is None, repeats, timeout=timeout_s * repeats, device_type="cpu"
@@ -210,8 +237,9 @@ def calibrate(
         )
         noise["run_delay_share"][str(n)] = max(r["run_delay_share"] for r in ranks)
         core_share[str(n)] = flops_per_token * tokens / together_s / rate
-        synced_s = _slowest([r["synced_s"] for r in ranks])
-        sync_s[str(n)] = max(0.0, synced_s - together_s) / synced_waits(model)
+        least_waits_s = drift_per_wait_s([r["synced_waits_s"] for r in ranks], synced_waits(model))
+        sync_s[str(n)] = statistics.median(least_waits_s)
+        noise["sync_spread"][str(n)] = _relative_spread(least_waits_s)
         for kind in KINDS:
             points = [
                 (
@@ -246,7 +274,7 @@ def calibrate(
 def _relative_spread(seconds: list[float]) -> float:
     """The interquartile range of `seconds` over their median: how noisy a measurement was."""
     m = Measured.of(seconds)
-    return m.spread / m.median
+    return m.spread / m.median if m.median else 0.0
 
 
 # ------------------------------------------------------------------------------------------ prediction
@@ -340,11 +368,15 @@ def profile_table(profile: dict) -> str:
         )
     if "noise" in machine:
         noise = machine["noise"]
+        spreads = [("compute", noise["compute_spread"]), ("drift", noise.get("sync_spread", {}))]
         lines.append(
             "how busy: other work held a rank's core "
             + ", ".join(f"{v:.0%} of the time at {n} ranks" for n, v in noise["run_delay_share"].items())
-            + "; compute spread (IQR / median) "
-            + ", ".join(f"{v:.0%} at {n}" for n, v in noise["compute_spread"].items())
+            + "".join(
+                f"; {what} spread (IQR / median) " + ", ".join(f"{v:.0%} at {n}" for n, v in by_n.items())
+                for what, by_n in spreads
+                if by_n
+            )
         )
     rows = [("collective", "ranks", "latency ms", "GB/s", "residual ms")]
     for kind, by_n in profile["collectives"].items():

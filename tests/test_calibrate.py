@@ -47,7 +47,9 @@ def test_a_real_calibration_fits_its_own_measurements_and_round_trips_through_js
     assert profile["compute_flops_per_s"] == pytest.approx(quiet["compute_flops_per_s"], rel=0.35)
     machine = profile["machine"]
     assert machine["noise"]["run_delay_share"]["2"] > quiet["machine"]["noise"]["run_delay_share"]["2"]
-    assert set(machine["noise"]["compute_spread"]) == {"1", "2"}
+    assert set(machine["noise"]["compute_spread"]) == {"1", "2"} and set(machine["noise"]["sync_spread"]) == {
+        "2"
+    }
     # the drift: a barrier mid-step costs at least nothing and less than a whole step's share of compute
     assert profile["sync_s"]["1"] == 0 and 0 <= profile["sync_s"]["2"] < 1 / profile["core_share"]["2"]
     assert (
@@ -191,3 +193,13 @@ def test_a_calibration_that_stops_leaves_the_profile_already_there_whole(tmp_pat
     assert out.read_text() == '{"kept": 1}'  # not emptied before the measurement, as it used to be
     assert main(["calibrate", "--out", str(tmp_path / "no" / "machine.json")]) == 2
     assert "the folder" in capsys.readouterr().err
+
+
+def test_the_drift_is_the_least_waiting_ranks_wait_per_barrier_step_by_step():
+    """Issue 41: every rank leaves a barrier with the last, so the rank that waited least is the one whose
+    compute set the pace: its waits are what the barriers added. Per step, never across steps (a slow step on
+    one rank and a slow step on another are not one drift), and never the difference of two step times."""
+    waits = [[0.040, 0.004, 0.020], [0.010, 0.030, 0.016]]  # rank 0, rank 1; three synced steps
+    assert calibrate.drift_per_wait_s(waits, 4) == pytest.approx([0.0025, 0.001, 0.004])
+    with pytest.raises(ValueError):
+        calibrate.drift_per_wait_s([[0.1, 0.2], [0.1]], 2)  # a rank that timed fewer steps
