@@ -49,9 +49,10 @@ from labkit.engines.base import RunConfig
 from labkit.engines.registry import FSDP2, SCRATCH
 from labkit.measured import Measured, interleaved
 from labkit.model import batch, build_model, config, count_params
+from labkit.names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, STEP_KINDS
 from labkit.probes.clock import RankClock, rank_clock
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = STEP_KINDS  # the collectives it measures
 # full tensors, fp32 elements divisible by 2, 3 and 4; five, so the line's median slope ignores one bad size
 PAYLOAD_BYTES = (96_000, 960_000, 1_920_000, 3_840_000, 9_600_000)
 COMPUTE_STEPS = 4  # timed training steps per measurement, after one warm-up step
@@ -147,9 +148,9 @@ def _collectives_s(kind: str, n: int) -> dict[int, list[float]]:
     for p in PAYLOAD_BYTES:
         full, shard = torch.ones(p // 4), torch.ones(p // 4 // n)
         calls[p] = {
-            "all_gather": partial(dist.all_gather_single, full, shard),
-            "reduce_scatter": partial(dist.reduce_scatter_single, shard, full),
-            "all_reduce": partial(dist.all_reduce, full),
+            ALL_GATHER: partial(dist.all_gather_single, full, shard),
+            REDUCE_SCATTER: partial(dist.reduce_scatter_single, shard, full),
+            ALL_REDUCE: partial(dist.all_reduce, full),
         }[kind]
     out: dict[int, list[float]] = {p: [] for p in PAYLOAD_BYTES}
     for i, p in enumerate(interleaved(PAYLOAD_BYTES, COLLECTIVE_REPS + 1)):

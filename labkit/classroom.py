@@ -22,6 +22,7 @@ from typing import Any
 import nbformat
 
 from labkit import budget
+from labkit.names import DATA_PARALLEL
 from labkit.placement import RANK_BYTES_ESTIMATE, RANKS_PER_CORE, choose_placement
 
 
@@ -75,7 +76,9 @@ def _replica_state_bytes(model: str) -> int:
     from labkit.model import build_model, count_params
 
     return int(
-        budget.plan(count_params(build_model(model)), 1, "ddp", precision="fp32")["state_bytes_per_rank"]
+        budget.plan(count_params(build_model(model)), 1, DATA_PARALLEL, precision="fp32")[
+            "state_bytes_per_rank"
+        ]
     )
 
 

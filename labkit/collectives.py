@@ -24,6 +24,8 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from labkit.names import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER
+
 
 class Collective(NamedTuple):
     """What a collective function does (`kind`), which argument holds its full payload, whether it is charged."""
@@ -36,24 +38,24 @@ class Collective(NamedTuple):
 COLLECTIVES: dict[str, Collective] = {
     # FSDP2 calls the *_single names; DeepSpeed the deprecated *_tensor ones, which torch runs by
     # calling the *_single ones; DDP's comm hook all_reduce.
-    "all_gather_single": Collective("all_gather", "output_tensor"),
-    "all_gather_into_tensor": Collective("all_gather", "output_tensor"),
-    "_all_gather_base": Collective("all_gather", "output_tensor"),
-    "all_gather": Collective("all_gather", "tensor_list"),
-    "all_gather_coalesced": Collective("all_gather", "output_tensor_lists"),
-    "reduce_scatter_single": Collective("reduce_scatter", "input"),
-    "reduce_scatter_tensor": Collective("reduce_scatter", "input"),
-    "_reduce_scatter_base": Collective("reduce_scatter", "input"),
-    "reduce_scatter": Collective("reduce_scatter", "input_list"),
-    "all_reduce": Collective("all_reduce", "tensor"),
-    "all_reduce_coalesced": Collective("all_reduce", "tensors"),
-    "broadcast": Collective("broadcast", "tensor"),
+    "all_gather_single": Collective(ALL_GATHER, "output_tensor"),
+    "all_gather_into_tensor": Collective(ALL_GATHER, "output_tensor"),
+    "_all_gather_base": Collective(ALL_GATHER, "output_tensor"),
+    "all_gather": Collective(ALL_GATHER, "tensor_list"),
+    "all_gather_coalesced": Collective(ALL_GATHER, "output_tensor_lists"),
+    "reduce_scatter_single": Collective(REDUCE_SCATTER, "input"),
+    "reduce_scatter_tensor": Collective(REDUCE_SCATTER, "input"),
+    "_reduce_scatter_base": Collective(REDUCE_SCATTER, "input"),
+    "reduce_scatter": Collective(REDUCE_SCATTER, "input_list"),
+    "all_reduce": Collective(ALL_REDUCE, "tensor"),
+    "all_reduce_coalesced": Collective(ALL_REDUCE, "tensors"),
+    "broadcast": Collective(BROADCAST, "tensor"),
     "all_to_all_single": Collective("all_to_all", "input"),
     "all_to_all": Collective("all_to_all", "input_tensor_list"),
     "barrier": Collective("barrier", ""),
     # Object collectives: the tensor collectives they run inside are the ones charged.
-    "all_gather_object": Collective("all_gather", "", counted=False),
-    "broadcast_object_list": Collective("broadcast", "", counted=False),
+    "all_gather_object": Collective(ALL_GATHER, "", counted=False),
+    "broadcast_object_list": Collective(BROADCAST, "", counted=False),
     # Rooted, point-to-point and monitored ones: the probe has no ring model for them.
     "reduce": Collective("reduce", "tensor", counted=False),
     "gather": Collective("gather", "tensor", counted=False),

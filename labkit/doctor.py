@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit import KERNEL_NAME
+from labkit.names import ALL_REDUCE
 
 SMOKE_WORLD_SIZE = 2
 SMOKE_TIMEOUT_S = 60.0
@@ -574,7 +575,7 @@ def _smoke_test(problems: list[str]) -> dict[str, Any]:
             "ran": True,
             "ok": False,
             "world_size": n,
-            "collective": "all_reduce",
+            "collective": ALL_REDUCE,
             "expected": expected,
             "values": None,
             "wall_s": wall_s,
@@ -590,7 +591,7 @@ def _smoke_test(problems: list[str]) -> dict[str, Any]:
         "ran": True,
         "ok": ok,
         "world_size": n,
-        "collective": "all_reduce",
+        "collective": ALL_REDUCE,
         "expected": expected,
         "values": values,
         "wall_s": wall_s,

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from labkit.budget import MEMORY_TERMS
+from labkit.names import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER
 
 TERM_COLORS = {
     "weights": "#4C72B0",
@@ -213,10 +214,10 @@ _COMPUTE_STYLE = {  # what: (colour, label colour, legend)
     "wait": ("#C00000", "white", "blocked on a collective (exposed)"),
 }
 _COMM_COLORS = {
-    "all_gather": "#ED7D31",
-    "reduce_scatter": "#7030A0",
-    "all_reduce": "#00A3A3",
-    "broadcast": "#BF9000",
+    ALL_GATHER: "#ED7D31",
+    REDUCE_SCATTER: "#7030A0",
+    ALL_REDUCE: "#00A3A3",
+    BROADCAST: "#BF9000",
 }
 _LABEL_H, _COMPUTE_H, _COMM_H, _RANK_GAP = 0.3, 0.8, 0.42, 0.25  # heights (y units)
 _LABEL_PT = 7

@@ -14,8 +14,7 @@ from typing import Any
 
 from labkit import budget
 from labkit.engines.registry import ORACLE
-
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")  # the columns of the engine tables
+from labkit.names import HSDP, STEP_KINDS
 
 # ------------------------------------------------------------------------------------------ the formatter
 
@@ -95,7 +94,7 @@ def records_table(records: dict[str, dict[str, Any]], reference: str = ORACLE) -
                 name,
                 f"{rec['losses'][-1]:.6f}",
                 f"{diff:.1e}",
-                *(f"{wire_bytes(rec, kind):,}" for kind in COLLECTIVES),
+                *(f"{wire_bytes(rec, kind):,}" for kind in STEP_KINDS),
                 f"{sum(rec['state_bytes'].values()):,}",
                 f"{max(rec['peak_mem_bytes']):,}",
                 f"{median_step_s(rec) * 1e3:.0f}",
@@ -135,7 +134,7 @@ def compare_table(result: dict[str, Any]) -> str:
                 diff,
                 f"{median_step_s(rec) * 1e3:.1f}",
                 budget.format_bytes(sum(rec["state_bytes"].values())),
-                *(budget.format_bytes(wire_bytes(rec, kind)) for kind in COLLECTIVES),
+                *(budget.format_bytes(wire_bytes(rec, kind)) for kind in STEP_KINDS),
                 budget.format_bytes(max(rec["peak_mem_bytes"])),
             )
         )
@@ -153,7 +152,7 @@ def _link_table(result: dict[str, Any]) -> list[str]:
     }
     if not records:
         return []
-    rows = [("engine", "nodes", *(f"{k.replace('_', '-')} intra/inter" for k in COLLECTIVES))]
+    rows = [("engine", "nodes", *(f"{k.replace('_', '-')} intra/inter" for k in STEP_KINDS))]
     for name, rec in records.items():
         links = rec["comm_by_link"]
         rows.append(
@@ -163,7 +162,7 @@ def _link_table(result: dict[str, Any]) -> list[str]:
                 *(
                     f"{budget.format_bytes(links.get(k, {}).get('intra_node_bytes', 0))} / "
                     f"{budget.format_bytes(links.get(k, {}).get('inter_node_bytes', 0))}"
-                    for k in COLLECTIVES
+                    for k in STEP_KINDS
                 ),
             )
         )
@@ -270,7 +269,7 @@ def plan_table(result: dict) -> str:
         + f" on {result['world_size']} ranks, {result['strategy']}"
         + (
             f" (groups of {result['group_size']} x {result['replica_groups']})"
-            if result["strategy"] == "hsdp"
+            if result["strategy"] == HSDP
             else ""
         )
         + f", {result['precision']} ({result['bytes_per_param']:g} B/param); 1 GB = 1e9 B"

@@ -14,6 +14,7 @@ import math
 import ipywidgets as W
 
 from labkit import budget, plots
+from labkit.names import HSDP
 
 RANK_CHOICES = tuple(2**k for k in range(14))  # 1 .. 8192 ranks
 # memory sizes a dropdown offers (bytes, decimal): common GPUs (16 GB .. a B200's 192 GB), and hosts' RAM
@@ -191,7 +192,7 @@ class BudgetCalculator:
         """The keyword arguments of `plan()` the controls currently spell."""
         values = {name: control.value for name, control in self.controls.items()}
         values.update(self._fixed)
-        if values["strategy"] != "hsdp":
+        if values["strategy"] != HSDP:
             values["group_size"] = None
         return values
 

@@ -464,11 +464,11 @@ def test_budget_module_imports_neither_torch_nor_numpy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-    # and the CLI module imports only the standard library, labkit.budget and labkit.cli
+    # and the CLI module imports only the standard library, labkit.budget, labkit.cli and the shared names
     tree = ast.parse((ROOT / "labkit" / "cli" / "budget.py").read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert imported <= {"__future__", "argparse", "json", "re", "sys", "labkit", "labkit.cli"}
+    assert imported <= {"__future__", "argparse", "json", "re", "sys", "labkit", "labkit.cli", "labkit.names"}
 
 
 def test_plan_is_fast():

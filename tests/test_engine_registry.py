@@ -32,7 +32,6 @@ def test_every_row_names_a_module_a_strategy_and_known_settings():
 # Strings equal to an engine's name that are not engines: another vocabulary that shares the word.
 # (labkit/budget/ is skipped whole: its strategies and accountings are its own, "ddp" and "deepspeed" among them.)
 NOT_ENGINES = {
-    ("classroom.py", "ddp"): "a budget strategy",
     ("tables.py", "deepspeed"): "a budget accounting",
     ("cli/budget.py", "deepspeed"): "a budget accounting (the flags only its estimator reads)",
     ("doctor.py", "deepspeed"): "a package the doctor looks for",
@@ -43,6 +42,7 @@ NOT_ENGINES = {
     ("buildalong/verdicts.py", "single"): "a CheckResult figure the learner reads: single's losses",
     ("buildalong/fsdp2_check.py", "single"): "a CheckResult figure the learner reads: single's losses",
     ("buildalong/deepspeed_check.py", "single"): "a CheckResult figure the learner reads: single's losses",
+    ("names.py", "ddp"): "the data-parallel strategy, which the ddp engine's name shares",
 }
 
 

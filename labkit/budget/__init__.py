@@ -42,8 +42,8 @@ from .machine import (
 from .memory import Memory, fit_verdict, host_bytes_per_node, memory_terms, transient_bytes
 from .planner import model_options, plan
 from .quantities import format_bytes, format_count, parse_quantity
+from .ring import _ring_bytes_all_ranks as _ring_bytes_all_ranks  # tests/test_multinode.py checks it
 from .ring import (
-    COLLECTIVES,
     collective_wire_bytes,
     padded_flat_numel,
     padded_numel,
@@ -52,7 +52,6 @@ from .ring import (
     shard_numel,
     shard_rows,
 )
-from .ring import _ring_bytes_all_ranks as _ring_bytes_all_ranks  # tests/test_multinode.py checks it
 from .roofline import closed_form_critical_tokens, critical_tokens, largest_useful_world_size
 from .rows import assumption_rows, summary_rows
 from .search import MAX_RANKS, fewest_ranks, needs_offload
@@ -71,7 +70,7 @@ from .traffic import (
     LINKS,
     STEP_COLLECTIVES,
     TRAFFIC_KEYS,
-    Collective,
+    StepCollective,
     Term,
     quantised_payload_bytes,
     traffic_terms,
@@ -101,7 +100,6 @@ __all__ = [
     "ACCOUNTINGS",
     "HOST_ADAM_PARAMS_PER_S",
     # one tensor in a ring
-    "COLLECTIVES",
     "collective_wire_bytes",
     "ring_link_bytes",
     "shard_rows",
@@ -124,7 +122,7 @@ __all__ = [
     "TRAFFIC_KEYS",
     "LINKS",
     "DDP_BUCKET_BYTES",
-    "Collective",
+    "StepCollective",
     "STEP_COLLECTIVES",
     "Term",
     "quantised_payload_bytes",

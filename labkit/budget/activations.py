@@ -4,6 +4,8 @@ backward, and the peak at the loss's backward or the last block's.
 
 from __future__ import annotations
 
+from labkit.names import WEIGHTS_SHARDED
+
 from .inputs import PRECISIONS, PlanInputs
 
 ACTIVATION_PARTS = (
@@ -59,7 +61,7 @@ def activation_bytes(p: PlanInputs) -> tuple[dict[str, int], str]:
         "head": tokens * (2 * h * e + 8 + p.vocab_size * _LOSS_BYTES),
         "loss_gradients": 2 * tokens * p.vocab_size * _LOSS_BYTES,
     }
-    in_transient = p.strategy in ("zero3", "hsdp")
+    in_transient = p.strategy in WEIGHTS_SHARDED
     at_block = {
         "recomputed_layer": full - kept if p.activation_checkpointing else 0,
         "block_gradients": 5 * tokens * h * e,

@@ -4,6 +4,8 @@ accounting="deepspeed" replaces with it.
 
 from __future__ import annotations
 
+from labkit.names import ZERO3
+
 from .inputs import PlanInputs, _deepspeed_nodes
 
 
@@ -65,7 +67,7 @@ def _deepspeed_accounting(p: PlanInputs, paper_state_bytes_per_rank: int) -> dic
     """The keys accounting="deepspeed" replaces: DeepSpeed's estimate of the state and its own itemisation."""
     n, n_params = p.world_size, p.params
     per_node, nodes = _deepspeed_nodes(n, p.gpus_per_node)
-    stage = 3 if p.strategy == "zero3" else 2
+    stage = 3 if p.strategy == ZERO3 else 2
     est = deepspeed_zero_estimate(
         n_params,
         p.largest_layer_params,

@@ -10,9 +10,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from functools import cached_property
 from typing import NamedTuple
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+from labkit.names import DATA_PARALLEL, HSDP, NVME, OFFLOAD_TARGETS, STRATEGIES, WEIGHTS_SHARDED, ZERO2, ZERO3
+
 MEMORY_TERMS = ("weights", "grads", "master", "adam_m", "adam_v")
-OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 ACCOUNTINGS = ("paper", "deepspeed")
 
 # Bytes per parameter of each state term, by precision recipe.
@@ -90,7 +90,7 @@ class PlanInputs:
     params: int = _count(_REQUIRED, "parameters", "size of the model", "30e9", rounded=True)
     world_size: int = _count(_REQUIRED, "ranks", "data-parallel ranks", "256")
     strategy: str = _choice(
-        "zero3",
+        ZERO3,
         STRATEGIES,
         "ddp: all replicated; zero1: optimizer state sharded; zero2: + gradients; zero3: + weights; "
         "hsdp: zero3 inside groups of group_size ranks, replicated across the groups",
@@ -199,7 +199,7 @@ class PlanInputs:
     @cached_property
     def shard_group(self) -> int:
         """Ranks each sharded term is split over: the hsdp group (default one node), else every rank."""
-        if self.strategy != "hsdp":
+        if self.strategy != HSDP:
             return self.world_size
         return self.group_size if self.group_size is not None else min(self.gpus_per_node, self.world_size)
 
@@ -223,15 +223,15 @@ class PlanInputs:
                 f"hsdp needs a group_size that divides world_size={n}; the default {self.shard_group} does not, pass one."
             )
         zeropp = [name for name in ("qwz", "hpz", "qgz") if getattr(self, name)]
-        if zeropp and strategy != "zero3":
+        if zeropp and strategy != ZERO3:
             raise ValueError(
                 f"{', '.join(zeropp)} (ZeRO++) apply to strategy zero3; got strategy={strategy!r}."
             )
-        if self.offload_params != "none" and strategy not in ("zero3", "hsdp"):
+        if self.offload_params != "none" and strategy not in WEIGHTS_SHARDED:
             raise ValueError(
                 f"offload_params needs sharded weights (strategy zero3 or hsdp); got strategy={strategy!r}."
             )
-        if self.offload_optimizer != "none" and strategy == "ddp":
+        if self.offload_optimizer != "none" and strategy == DATA_PARALLEL:
             raise ValueError(
                 "offload_optimizer needs a ZeRO strategy (zero1, zero2, zero3 or hsdp); got strategy='ddp'."
             )
@@ -244,7 +244,7 @@ class PlanInputs:
                 "accounting='deepspeed' follows DeepSpeed's estimators, which train every parameter; pass "
                 "trainable_params only with accounting='paper'."
             )
-        if self.strategy not in ("zero2", "zero3"):
+        if self.strategy not in (ZERO2, ZERO3):
             raise ValueError(
                 f"accounting='deepspeed' follows DeepSpeed's ZeRO-2/3 estimators; use strategy zero2 or zero3, not {self.strategy!r}."
             )
@@ -253,7 +253,7 @@ class PlanInputs:
             raise ValueError(
                 f"accounting='deepspeed' needs whole nodes: world_size={self.world_size} is not a multiple of gpus_per_node={self.gpus_per_node}."
             )
-        if "nvme" in (self.offload_optimizer, self.offload_params):
+        if NVME in (self.offload_optimizer, self.offload_params):
             raise ValueError(
                 "accounting='deepspeed' covers offload to cpu only (DeepSpeed's estimator has no NVMe case); pass 'cpu' or 'none'."
             )

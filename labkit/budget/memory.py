@@ -7,16 +7,18 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from labkit.names import DATA_PARALLEL, HSDP, NVME, WEIGHTS_SHARDED, ZERO1, ZERO2, ZERO3
+
 from .inputs import MEMORY_TERMS, PRECISIONS, PlanInputs
 from .quantities import format_bytes
 from .ring import padded_flat_numel
 
 _SHARDED_TERMS = {
-    "ddp": (),
-    "zero1": ("master", "adam_m", "adam_v"),
-    "zero2": ("grads", "master", "adam_m", "adam_v"),
-    "zero3": MEMORY_TERMS,
-    "hsdp": MEMORY_TERMS,
+    DATA_PARALLEL: (),
+    ZERO1: ("master", "adam_m", "adam_v"),
+    ZERO2: ("grads", "master", "adam_m", "adam_v"),
+    ZERO3: MEMORY_TERMS,
+    HSDP: MEMORY_TERMS,
 }
 _OPTIMIZER_TERMS = ("master", "adam_m", "adam_v")
 _HOST_GRAD_BYTES = 4  # the CPU optimizer works on an fp32 copy of the gradient shard
@@ -68,7 +70,7 @@ def transient_bytes(p: PlanInputs, mem: Memory) -> dict[str, int]:
     transient = dict.fromkeys(
         ("gathered_weights", "unsharded_layer_grads", "weights_kept_for_backward", "hpz_secondary_weights"), 0
     )
-    if p.strategy in ("zero3", "hsdp"):
+    if p.strategy in WEIGHTS_SHARDED:
         largest = p.largest_layer_params
         transient["gathered_weights"] = int((2 if p.prefetch else 1) * largest * w_b)
         transient["unsharded_layer_grads"] = int(largest * g_b)
@@ -116,7 +118,7 @@ def host_bytes_per_node(p: PlanInputs, mem: Memory) -> int:
 
 def _to_nvme(p: PlanInputs) -> PlanInputs:
     """The same plan with every host offload sent to NVMe instead (what is left in host RAM then)."""
-    swap = {name: "nvme" for name in ("offload_optimizer", "offload_params") if getattr(p, name) == "cpu"}
+    swap = {name: NVME for name in ("offload_optimizer", "offload_params") if getattr(p, name) == "cpu"}
     return dataclasses.replace(p, **swap)
 
 

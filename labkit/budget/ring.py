@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+from labkit.names import ALL_REDUCE, RING_KINDS
 
 
 def collective_wire_bytes(kind: str, payload_bytes: int, world_size: int) -> int:
@@ -20,9 +20,9 @@ def collective_wire_bytes(kind: str, payload_bytes: int, world_size: int) -> int
     forwards the whole tensor once, so the mean per rank is (n-1)/n x payload. Results are rounded down to
     whole bytes (exact whenever n divides the payload, as it does for a padded shard). One rank sends 0.
     """
-    if kind not in COLLECTIVES:
+    if kind not in RING_KINDS:
         raise ValueError(
-            f"collective kind {kind!r} has no ring formula here; use one of {', '.join(COLLECTIVES)}."
+            f"collective kind {kind!r} has no ring formula here; use one of {', '.join(RING_KINDS)}."
         )
     n = int(world_size)
     if n < 1:
@@ -30,7 +30,7 @@ def collective_wire_bytes(kind: str, payload_bytes: int, world_size: int) -> int
     payload = int(payload_bytes)
     if payload < 0:
         raise ValueError(f"payload_bytes must be zero or more; got {payload_bytes!r}.")
-    factor = 2 if kind == "all_reduce" else 1
+    factor = 2 if kind == ALL_REDUCE else 1
     return factor * (n - 1) * payload // n
 
 

@@ -17,6 +17,8 @@ batch can keep busy.
 
 from __future__ import annotations
 
+from labkit.names import ZERO3
+
 from .inputs import DEFAULTS, PRECISIONS
 from .planner import plan
 from .search import MAX_RANKS
@@ -33,7 +35,7 @@ def closed_form_critical_tokens(
     return weight_bytes / 2 * ring * flops_per_s / link_bytes_per_s
 
 
-def critical_tokens(params: float, world_size: int, strategy: str = "zero3", **options) -> dict:
+def critical_tokens(params: float, world_size: int, strategy: str = ZERO3, **options) -> dict:
     """The tokens per rank at which `plan(params, world_size, strategy, **options)`'s link time equals its
     compute (the compute grows with the tokens, the link time does not), beside the plan's own figures.
 
@@ -65,7 +67,7 @@ def critical_tokens(params: float, world_size: int, strategy: str = "zero3", **o
 def largest_useful_world_size(
     params: float,
     global_tokens: float,
-    strategy: str = "zero3",
+    strategy: str = ZERO3,
     max_ranks: int = MAX_RANKS,
     tensor_parallel: int = 1,
     **options,

@@ -4,6 +4,8 @@ widgets; the assumptions each with its unit.
 
 from __future__ import annotations
 
+from labkit.names import NVME
+
 from .inputs import INPUTS
 from .quantities import format_bytes, format_count
 
@@ -73,7 +75,7 @@ def _memory_rows(result: dict) -> list[tuple[str, str, str]]:
                 format_bytes(result["activation_bytes_per_rank"]),
             )
         )
-    for where in ("host", "nvme"):
+    for where in ("host", NVME):
         held = sum(result[f"{where}_bytes_per_rank"].values())
         if held:
             rows.append((section, f"on {where} (offloaded)", format_bytes(held)))

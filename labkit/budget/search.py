@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from labkit.names import HSDP, NVME, ZERO3
+
 from .inputs import _CHECK_OF_KIND, DEFAULTS, INPUTS
 from .planner import plan
 from .quantities import format_bytes
@@ -26,7 +28,7 @@ def fewest_ranks(
     options.pop("world_size", None)
     gpn = _checked("gpus_per_node", options.get("gpus_per_node", DEFAULTS["gpus_per_node"]))
     step = 1  # the accepted world sizes from one node up are the multiples of `step`
-    if strategy == "hsdp":
+    if strategy == HSDP:
         step = gpn if options.get("group_size") is None else _checked("group_size", options["group_size"])
     if options.get("accounting") == "deepspeed":
         step = math.lcm(step, gpn)
@@ -117,7 +119,7 @@ def _nothing_fits(top: dict) -> str:
     )
 
 
-_REMEDIES = (("cpu", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme"))  # smallest offload first
+_REMEDIES = (("cpu", "none"), ("cpu", "cpu"), (NVME, "cpu"), (NVME, NVME))  # smallest offload first
 
 
 def needs_offload(params: float, max_ranks: int, gpu_memory_bytes: float, **options) -> dict:
@@ -128,10 +130,10 @@ def needs_offload(params: float, max_ranks: int, gpu_memory_bytes: float, **opti
     (`host_memory_bytes`, an option) both fit, or None; `tried` says how each offload fared.
     """
     options = {**options, "gpu_memory_bytes": gpu_memory_bytes}
-    full = plan(params, max_ranks, "zero3", **options)
+    full = plan(params, max_ranks, ZERO3, **options)
     remedy, tried = None, []
     for opt, par in () if full["fits_gpu_memory"] else _REMEDIES:
-        p = plan(params, max_ranks, "zero3", offload_optimizer=opt, offload_params=par, **options)
+        p = plan(params, max_ranks, ZERO3, offload_optimizer=opt, offload_params=par, **options)
         tried.append(
             {
                 "offload_optimizer": opt,

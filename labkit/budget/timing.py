@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from labkit.names import ALL_GATHER, NVME, REDUCE_SCATTER
+
 from .inputs import PRECISIONS, PlanInputs
 from .machine import machine_collective_s, machine_flops_per_s, machine_sync_s
 from .memory import _OPTIMIZER_TERMS, Memory
@@ -21,12 +23,12 @@ def offload_io_bytes(p: PlanInputs, mem: Memory) -> tuple[int, int]:
         sh = mem.elems["master"]
         grad_shard = mem.elems["grads"] if mem.shard["grads"] > 1 else sh
         host_io += grad_shard * g_b + sh * w_b  # gradient shard down, updated weight shard back up
-        if p.offload_optimizer == "nvme":
+        if p.offload_optimizer == NVME:
             nvme_io += 2 * sum(mem.resident[t] for t in _OPTIMIZER_TERMS)  # read and write back master, m, v
     if p.offload_params != "none":
         # the shard goes up for the forward and the backward all-gather
         host_io += 2 * mem.resident["weights"]
-        if p.offload_params == "nvme":
+        if p.offload_params == NVME:
             nvme_io += 3 * mem.resident["weights"]  # two reads, one write of the updated shard
     return host_io, nvme_io
 
@@ -75,14 +77,14 @@ def exposed_floor(
     back = order[::-1]
     for i, u in enumerate(order):
         if not any(v.computes for v in order[max(0, i - prefetch_depth) : i]):
-            exposed.append((u.name, "forward all-gather", "all_gather", u.gather_wire_bytes))
+            exposed.append((u.name, "forward all-gather", ALL_GATHER, u.gather_wire_bytes))
     for i, u in enumerate(back):
         if u.backward_gather and not any(v.computes for v in back[max(0, i - prefetch_depth) : i]):
-            exposed.append((u.name, "backward all-gather", "all_gather", u.gather_wire_bytes))
+            exposed.append((u.name, "backward all-gather", ALL_GATHER, u.gather_wire_bytes))
         if not any(v.computes for v in back[i + 1 :]):
-            exposed.append((u.name, "reduce-scatter", "reduce_scatter", u.reduce_wire_bytes))
-    every = [c for u in order for c in (("all_gather", u.gather_wire_bytes),) * (1 + u.backward_gather)]
-    every += [("reduce_scatter", u.reduce_wire_bytes) for u in order]
+            exposed.append((u.name, "reduce-scatter", REDUCE_SCATTER, u.reduce_wire_bytes))
+    every = [c for u in order for c in ((ALL_GATHER, u.gather_wire_bytes),) * (1 + u.backward_gather)]
+    every += [(REDUCE_SCATTER, u.reduce_wire_bytes) for u in order]
     total = sum(b for _, b in every)
     floor = sum(b for *_, b in exposed)
     out = {
@@ -134,7 +136,7 @@ def sync_wait_s(p: PlanInputs, terms: list[Term], machine: dict | None) -> float
     without a profile (a datasheet plan has no drift to price)."""
     if p.prefetch or not machine:
         return 0.0
-    waits = sum(t.calls for t in terms if t.collective == "all_gather" and t.phase in ("forward", "backward"))
+    waits = sum(t.calls for t in terms if t.collective == ALL_GATHER and t.phase in ("forward", "backward"))
     return waits * machine_sync_s(machine, p.world_size)
 
 
@@ -165,7 +167,7 @@ def step_time(
     for t in terms:
         phase = t.phase
         if phase == "backward":
-            phase = "backward_gather" if t.collective == "all_gather" else "backward_reduce"
+            phase = "backward_gather" if t.collective == ALL_GATHER else "backward_reduce"
         by_phase[phase] += t.time_s - t.backend_s
         time_by_link[t.link] += t.time_s
     comm_time_s = sum(time_by_link.values())

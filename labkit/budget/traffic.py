@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from labkit.names import ALL_GATHER, ALL_REDUCE, DATA_PARALLEL, HSDP, REDUCE_SCATTER, ZERO1, ZERO2, ZERO3
+
 from .inputs import PRECISIONS, PlanInputs
 from .machine import machine_collective_s
 from .ring import _ring_bytes_all_ranks, collective_wire_bytes, padded_flat_numel
@@ -14,8 +16,8 @@ TRAFFIC_KEYS = (
     "all_gather_forward",
     "all_gather_backward",
     "all_gather_after_step",
-    "reduce_scatter",
-    "all_reduce",
+    REDUCE_SCATTER,
+    ALL_REDUCE,
 )
 LINKS = ("intra_node", "inter_node")
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: one all-reduce per 25 MiB of gradients
@@ -26,33 +28,66 @@ _SCALE_BYTES = 4  # one fp32 scale per quantization block (ZeRO++ qwZ / qgZ)
 _QUANTISED = {"qwz": (1.0, " (qwZ int8)"), "qgz": (0.5, " (qgZ int4)")}
 
 
-class Collective(NamedTuple):
+class StepCollective(NamedTuple):
     """One collective of a strategy's step, as the table below names it."""
 
     key: str  # its entry in TRAFFIC_KEYS
     name: str
-    kind: str  # its entry in COLLECTIVES
+    kind: str  # a collective kind (`labkit.names`)
     phase: str  # "forward", "backward" or "step"
     moves: str  # "weights" or "grads": whose bytes per element it moves
     over: str  # "group" (the shard group; every rank unless hsdp), "node" (hpZ) or "replicas" (hsdp)
     quantised_by: str = ""  # the ZeRO++ switch that quantises it
 
 
-# fmt: off
-_GATHER_FORWARD = Collective("all_gather_forward", "forward all-gather of weights", "all_gather", "forward",
-                             "weights", "group", quantised_by="qwz")
-_GATHER_BACKWARD = Collective("all_gather_backward", "backward all-gather of weights", "all_gather", "backward",
-                              "weights", "group", quantised_by="qwz")
-_GATHER_BACKWARD_HPZ = Collective("all_gather_backward", "backward all-gather from the node's secondary copy (hpZ)",
-                                  "all_gather", "backward", "weights", "node", quantised_by="qwz")
-_REDUCE_SCATTER = Collective("reduce_scatter", "gradient reduce-scatter", "reduce_scatter", "backward",
-                             "grads", "group", quantised_by="qgz")
-_GATHER_AFTER_STEP = Collective("all_gather_after_step", "all-gather of updated weights", "all_gather", "step",
-                                "weights", "group")
-_ALL_REDUCE = Collective("all_reduce", "gradient all-reduce", "all_reduce", "backward", "grads", "group")
-_REPLICA_ALL_REDUCE = Collective("all_reduce", "all-reduce of gradient shards across {replicas} groups",
-                                 "all_reduce", "backward", "grads", "replicas")
-# fmt: on
+_GATHER_FORWARD = StepCollective(
+    "all_gather_forward",
+    "forward all-gather of weights",
+    ALL_GATHER,
+    "forward",
+    "weights",
+    "group",
+    quantised_by="qwz",
+)
+_GATHER_BACKWARD = StepCollective(
+    "all_gather_backward",
+    "backward all-gather of weights",
+    ALL_GATHER,
+    "backward",
+    "weights",
+    "group",
+    quantised_by="qwz",
+)
+_GATHER_BACKWARD_HPZ = StepCollective(
+    "all_gather_backward",
+    "backward all-gather from the node's secondary copy (hpZ)",
+    ALL_GATHER,
+    "backward",
+    "weights",
+    "node",
+    quantised_by="qwz",
+)
+_REDUCE_SCATTER = StepCollective(
+    REDUCE_SCATTER,
+    "gradient reduce-scatter",
+    REDUCE_SCATTER,
+    "backward",
+    "grads",
+    "group",
+    quantised_by="qgz",
+)
+_GATHER_AFTER_STEP = StepCollective(
+    "all_gather_after_step", "all-gather of updated weights", ALL_GATHER, "step", "weights", "group"
+)
+_ALL_REDUCE = StepCollective(ALL_REDUCE, "gradient all-reduce", ALL_REDUCE, "backward", "grads", "group")
+_REPLICA_ALL_REDUCE = StepCollective(
+    ALL_REDUCE,
+    "all-reduce of gradient shards across {replicas} groups",
+    ALL_REDUCE,
+    "backward",
+    "grads",
+    "replicas",
+)
 
 # strategy -> the collectives one rank takes part in each step, in the order they run. The options change
 # them in `traffic_terms`: reshard_after_forward=False drops the backward all-gather, hpZ swaps it for
@@ -62,12 +97,12 @@ _REPLICA_ALL_REDUCE = Collective("all_reduce", "all-reduce of gradient shards ac
 # copy quantises too (the `all_gather_coalesced` of `Init._convert_to_deepspeed_param`). The ZeRO++ paper (Wang et al. 2023, arXiv 2306.10209) counts
 # qwZ on the forward all-gather only, because there hpZ already keeps the backward one inside the node: alone,
 # qwZ halves both gathers (3 M -> 2 M cross-node, 1.5x); with hpZ and qgZ the cross-node bytes are the paper's.
-STEP_COLLECTIVES: dict[str, tuple[Collective, ...]] = {
-    "ddp": (_ALL_REDUCE,),
-    "zero1": (_REDUCE_SCATTER, _GATHER_AFTER_STEP),
-    "zero2": (_REDUCE_SCATTER, _GATHER_AFTER_STEP),
-    "zero3": (_GATHER_FORWARD, _GATHER_BACKWARD, _REDUCE_SCATTER),
-    "hsdp": (_GATHER_FORWARD, _GATHER_BACKWARD, _REDUCE_SCATTER, _REPLICA_ALL_REDUCE),
+STEP_COLLECTIVES: dict[str, tuple[StepCollective, ...]] = {
+    DATA_PARALLEL: (_ALL_REDUCE,),
+    ZERO1: (_REDUCE_SCATTER, _GATHER_AFTER_STEP),
+    ZERO2: (_REDUCE_SCATTER, _GATHER_AFTER_STEP),
+    ZERO3: (_GATHER_FORWARD, _GATHER_BACKWARD, _REDUCE_SCATTER),
+    HSDP: (_GATHER_FORWARD, _GATHER_BACKWARD, _REDUCE_SCATTER, _REPLICA_ALL_REDUCE),
 }
 
 
@@ -144,7 +179,7 @@ def traffic_terms(p: PlanInputs, machine: dict | None = None) -> list[Term]:
             payload = int(numel * elem_bytes[c.moves])
         wire = collective_wire_bytes(c.kind, payload, size)
         ring = _ring_bytes_all_ranks(c.kind, payload, p.world_size, size, p.gpus_per_node, strided)
-        calls = -(-payload // DDP_BUCKET_BYTES) if p.strategy == "ddp" else p.layers + p.root_units
+        calls = -(-payload // DDP_BUCKET_BYTES) if p.strategy == DATA_PARALLEL else p.layers + p.root_units
         backend_s = machine_collective_s(machine, c.kind, size, wire, calls) if machine and size > 1 else 0.0
         link_s = wire / bandwidth[link]
         terms.append(
@@ -179,7 +214,7 @@ def _traffic_summary(terms: list[Term]) -> dict:
         "traffic_bytes_per_rank": sum(by_collective.values()),
         # the n -> infinity value: no (n-1)/n factors
         "traffic_bytes_per_rank_large_n": sum(
-            t.payload_bytes * (2 if t.collective == "all_reduce" else 1) for t in terms if t.group_size > 1
+            t.payload_bytes * (2 if t.collective == ALL_REDUCE else 1) for t in terms if t.group_size > 1
         ),
         "traffic_bytes_by_collective": by_collective,
         "traffic_bytes_by_link": by_link,

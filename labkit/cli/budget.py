@@ -15,6 +15,7 @@ import sys
 
 from labkit import budget, tables
 from labkit.cli import UsageError
+from labkit.names import HSDP, NVME, WEIGHTS_SHARDED
 
 # The flags are made from labkit.budget.INPUTS: --NAME for each input (--no-NAME for a switch that is on by
 # default), or the input's own `flag`. plan() names its arguments in Python; the user typed flags, so errors
@@ -130,11 +131,11 @@ def _plan(options: dict) -> dict:
 # Inputs that only some plans read: (input, whether this plan reads it, what would make it read it). A value
 # other than the default for a plan that does not read it is refused, as an ignored flag would mislead.
 _READ_ONLY_WHEN = (
-    ("group_size", lambda o: o["strategy"] == "hsdp", "--strategy hsdp"),
-    ("reshard_after_forward", lambda o: o["strategy"] in ("zero3", "hsdp"), "--strategy zero3 or hsdp"),
-    ("prefetch", lambda o: o["strategy"] in ("zero3", "hsdp"), "--strategy zero3 or hsdp"),
+    ("group_size", lambda o: o["strategy"] == HSDP, "--strategy hsdp"),
+    ("reshard_after_forward", lambda o: o["strategy"] in WEIGHTS_SHARDED, "--strategy zero3 or hsdp"),
+    ("prefetch", lambda o: o["strategy"] in WEIGHTS_SHARDED, "--strategy zero3 or hsdp"),
     ("quant_block_elems", lambda o: o["qwz"] or o["qgz"], "--qwz or --qgz"),
-    ("nvme_gbytes", lambda o: "nvme" in (o["offload_optimizer"], o["offload_params"]), "an offload to nvme"),
+    ("nvme_gbytes", lambda o: NVME in (o["offload_optimizer"], o["offload_params"]), "an offload to nvme"),
     (
         "host_gbytes",
         lambda o: (o["offload_optimizer"], o["offload_params"]) != ("none", "none"),

@@ -30,6 +30,7 @@ from labkit.engines.base import RankInfo, RunConfig, adamw
 from labkit.engines.ds_config import ds_config
 from labkit.engines.registry import DEEPSPEED
 from labkit.model import loss_fn
+from labkit.names import ALL_GATHER, NVME, REDUCE_SCATTER
 from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, storages
 
 NAME = DEEPSPEED
@@ -83,7 +84,7 @@ def refuse_unbuilt_quantizer(
 
 def refuse_nvme_without_async_io(cfg: RunConfig) -> None:
     """Raise one sentence for NVMe offload when DeepSpeed's async_io op was not built at set-up."""
-    if cfg.offload != "nvme":
+    if cfg.offload != NVME:
         return
     from labkit import prebuild
 
@@ -219,7 +220,7 @@ def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) ->
     and exp_avg_sq 4 x S each and one 4-byte step scalar (one flat parameter group); with optimizer offload the
     master partition's fp32 gradient, 4 x S more.
     """
-    if cfg.offload == "nvme":
+    if cfg.offload == NVME:
         raise ValueError(
             "offload='nvme' keeps the master partition and moments in swap files: read swap_file_bytes() "
             "for them; this accounting covers offload='none' and 'cpu'"
@@ -298,7 +299,7 @@ def gather_size_rows(model: nn.Module, world_size: int, elem_bytes: int = 4) -> 
                 "parameter": group,
                 "count": 0,
                 "elements": p.numel(),
-                "all_gather_wire_bytes": collective_wire_bytes("all_gather", payload_bytes, world_size),
+                "all_gather_wire_bytes": collective_wire_bytes(ALL_GATHER, payload_bytes, world_size),
             },
         )
         row["count"] += 1
@@ -336,18 +337,18 @@ def zero3_wire_bytes(
     uses = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     for p in model.parameters():
         payload_bytes = padded_flat_numel(p.numel(), n) * elem_bytes
-        reduced += collective_wire_bytes("reduce_scatter", payload_bytes, n)
+        reduced += collective_wire_bytes(REDUCE_SCATTER, payload_bytes, n)
         if is_persistent(p.numel(), threshold):
-            gathered += collective_wire_bytes("all_gather", payload_bytes, n)
+            gathered += collective_wire_bytes(ALL_GATHER, payload_bytes, n)
             continue
         reuse = unmodelled_reuse(zero)
         if reuse:
             raise ValueError(f"{reuse}; no formula here predicts which gathers that saves")
         # gathered for each module that registers it (a tied embedding: the embedding's and the head's),
         # before that module's forward and again before its backward
-        gathered += uses[id(p)] * collective_wire_bytes("all_gather", payload_bytes, n)
-        gathered += uses[id(p)] * collective_wire_bytes("all_gather", payload_bytes, backward_group)
-    return {"all_gather": gathered, "reduce_scatter": reduced}
+        gathered += uses[id(p)] * collective_wire_bytes(ALL_GATHER, payload_bytes, n)
+        gathered += uses[id(p)] * collective_wire_bytes(ALL_GATHER, payload_bytes, backward_group)
+    return {ALL_GATHER: gathered, REDUCE_SCATTER: reduced}
 
 
 def unmodelled_reuse(zero: dict[str, Any]) -> str | None:

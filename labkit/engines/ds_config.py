@@ -23,6 +23,7 @@ from typing import Any
 
 from labkit.engines.base import RunConfig
 from labkit.model import build_model
+from labkit.names import NVME
 
 # The four ZeRO-3 knobs `mode="fair"` sets, each in parameter elements, and why.
 FAIR_ZERO3_KNOBS: dict[str, int] = {
@@ -180,7 +181,7 @@ def offload_section(cfg: RunConfig) -> dict[str, Any]:
     Pinned host buffers need an accelerator, so they are off (CPU ranks; on GPUs DeepSpeed pins anyway).
     """
     section: dict[str, Any] = {"device": cfg.offload, "pin_memory": False}
-    if cfg.offload == "nvme":
+    if cfg.offload == NVME:
         section["nvme_path"] = str(cfg.options.get("nvme_path") or default_nvme_path())
     return section
 
@@ -280,7 +281,7 @@ def ds_config(cfg: RunConfig, world_size: int, mode: str = "fair") -> dict[str, 
         "zero_force_ds_cpu_optimizer": False,
         **(
             {"aio": {"block_size": nvme_aio_block_bytes(cfg.model, world_size)}}
-            if cfg.offload == "nvme"
+            if cfg.offload == NVME
             else {}
         ),
         "steps_per_print": 2**31 - 1,

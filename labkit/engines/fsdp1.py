@@ -63,6 +63,7 @@ from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 from labkit.engines.fsdp2 import device_mesh, hsdp_shard_size
 from labkit.engines.registry import FSDP1
 from labkit.model import block_class
+from labkit.names import ALL_GATHER, ALL_REDUCE, NVME, REDUCE_SCATTER
 from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, in_categories
 
 NAME = FSDP1
@@ -80,7 +81,7 @@ def check(cfg: RunConfig, world_size: int, device_type: str | None = None) -> in
             f"options {unknown}: the fsdp1 engine has no such setting (zero_hpz_partition_size, --hpz, is "
             f"DeepSpeed's ZeRO++ hpZ: run it without fsdp1); fsdp1 takes {', '.join(OPTIONS)}"
         )
-    if cfg.offload == "nvme":
+    if cfg.offload == NVME:
         raise ValueError(
             f"offload={cfg.offload!r}: FSDP1 offloads to the host only ('cpu', on CUDA ranks); "
             "NVMe is DeepSpeed's ZeRO-Infinity"
@@ -228,11 +229,11 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
     for i, numel in enumerate(unit_numels(model)):
         padded = padded_flat_numel(numel, s)
         gathers = 2 if i > 0 and reshards(cfg) else 1  # unit 0 is the root
-        gathered += gathers * collective_wire_bytes("all_gather", padded * param_bytes, s)
-        reduced += collective_wire_bytes("reduce_scatter", padded * 4, s)
-        all_reduced += collective_wire_bytes("all_reduce", padded // s * 4, replicas)
-    out = {"all_gather": gathered, "reduce_scatter": reduced}
-    return out | ({"all_reduce": all_reduced} if replicas > 1 else {})
+        gathered += gathers * collective_wire_bytes(ALL_GATHER, padded * param_bytes, s)
+        reduced += collective_wire_bytes(REDUCE_SCATTER, padded * 4, s)
+        all_reduced += collective_wire_bytes(ALL_REDUCE, padded // s * 4, replicas)
+    out = {ALL_GATHER: gathered, REDUCE_SCATTER: reduced}
+    return out | ({ALL_REDUCE: all_reduced} if replicas > 1 else {})
 
 
 def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> Fsdp1Engine:

@@ -53,6 +53,7 @@ from labkit.budget import collective_wire_bytes, padded_numel
 from labkit.engines import activation_checkpointing
 from labkit.engines.base import ModelEngine, RankInfo, RunConfig, adamw
 from labkit.engines.registry import FSDP2
+from labkit.names import ALL_GATHER, ALL_REDUCE, NVME, REDUCE_SCATTER
 from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, in_categories
 
 NAME = FSDP2
@@ -61,7 +62,7 @@ OPTIONS = ("hsdp_shard_size", "reshard_after_forward", "activation_checkpointing
 
 def shard_kwargs(cfg: RunConfig, mesh: DeviceMesh) -> dict[str, Any]:
     """The `fully_shard` keywords shared by every group: mesh, mixed precision and offload policies."""
-    if cfg.offload == "nvme":
+    if cfg.offload == NVME:
         raise ValueError(f"offload={cfg.offload!r}: the fsdp2 engine offloads to 'none' or 'cpu'")
     mp_policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -205,15 +206,15 @@ def predicted_wire_bytes(model: nn.Module, cfg: RunConfig, world_size: int) -> d
     replicas = world_size // n
     for i, group in enumerate(groups):
         numel = sum(padded_numel(p.shape, n) for p in group)
-        gathered += collective_wire_bytes("all_gather", numel * param_bytes, n)
+        gathered += collective_wire_bytes(ALL_GATHER, numel * param_bytes, n)
         is_block = i < len(model.blocks)
         if is_block and reshard is not False:
             backward_group = n if reshard is True else reshard
-            gathered += collective_wire_bytes("all_gather", numel * param_bytes, backward_group)
-        reduced += collective_wire_bytes("reduce_scatter", numel * 4, n)
-        all_reduced += collective_wire_bytes("all_reduce", numel // n * 4, replicas)
-    out = {"all_gather": gathered, "reduce_scatter": reduced}
-    return out | ({"all_reduce": all_reduced} if replicas > 1 else {})
+            gathered += collective_wire_bytes(ALL_GATHER, numel * param_bytes, backward_group)
+        reduced += collective_wire_bytes(REDUCE_SCATTER, numel * 4, n)
+        all_reduced += collective_wire_bytes(ALL_REDUCE, numel // n * 4, replicas)
+    out = {ALL_GATHER: gathered, REDUCE_SCATTER: reduced}
+    return out | ({ALL_REDUCE: all_reduced} if replicas > 1 else {})
 
 
 def state_bytes_by_term(model: nn.Module, cfg: RunConfig, world_size: int, rank: int = 0) -> dict[str, int]:

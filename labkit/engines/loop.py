@@ -44,6 +44,7 @@ from labkit.engines.base import ENGINES, Engine, RankInfo, RunConfig
 from labkit.engines.registry import DEEPSPEED
 from labkit.engines.run_config import SETTINGS
 from labkit.model import batch, build_model, count_params
+from labkit.names import NVME
 from labkit.probes import Probes, rank_clock, state_bytes, state_bytes_by_device
 
 TIMELINE_STEPS = 2  # the last steps whose events `run` keeps
@@ -102,7 +103,7 @@ def validate(engines: Sequence[str], cfg: RunConfig) -> None:
                 f"engine {name!r} is not implemented yet (no labkit/engines/{name}.py); "
                 f"available: {', '.join(available_engines())}"
             )
-    if cfg.offload == "nvme" and any(e != DEEPSPEED and not single_rank(e) for e in engines):
+    if cfg.offload == NVME and any(e != DEEPSPEED and not single_rank(e) for e in engines):
         raise ValueError(
             "offload='nvme' is DeepSpeed's ZeRO-Infinity: only the deepspeed engine swaps to files; "
             "run the others with offload='cpu'"

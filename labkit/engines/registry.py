@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.names import DATA_PARALLEL, ZERO3
+
 # Each engine's name, spelled here once: everything else that picks an engine by name imports it.
 SINGLE, DDP, SCRATCH, FSDP1, FSDP2, DEEPSPEED = "single", "ddp", "scratch", "fsdp1", "fsdp2", "deepspeed"
 ORACLE = SINGLE  # the engine every other is held to: one rank, the global batch
@@ -39,14 +41,14 @@ class EngineSpec:
 ENGINES: dict[str, EngineSpec] = {
     spec.name: spec
     for spec in (
-        EngineSpec(SINGLE, "labkit.engines.single", "ddp", single_rank=True),
-        EngineSpec(DDP, "labkit.engines.ddp", "ddp"),
-        EngineSpec(SCRATCH, "labkit.engines.scratch", "zero3", SHARDED_SETTINGS),
-        EngineSpec(FSDP1, "labkit.engines.fsdp1", "zero3", SHARDED_SETTINGS),
-        EngineSpec(FSDP2, "labkit.engines.fsdp2", "zero3", SHARDED_SETTINGS),
+        EngineSpec(SINGLE, "labkit.engines.single", DATA_PARALLEL, single_rank=True),
+        EngineSpec(DDP, "labkit.engines.ddp", DATA_PARALLEL),
+        EngineSpec(SCRATCH, "labkit.engines.scratch", ZERO3, SHARDED_SETTINGS),
+        EngineSpec(FSDP1, "labkit.engines.fsdp1", ZERO3, SHARDED_SETTINGS),
+        EngineSpec(FSDP2, "labkit.engines.fsdp2", ZERO3, SHARDED_SETTINGS),
         # Prefetch and resharding are DeepSpeed's own ZeRO-3 knobs (options["zero_overrides"]), not settings.
         EngineSpec(
-            DEEPSPEED, "labkit.engines.deepspeed", "zero3", ("offload",), checks="labkit.engines.ds_config"
+            DEEPSPEED, "labkit.engines.deepspeed", ZERO3, ("offload",), checks="labkit.engines.ds_config"
         ),
     )
 }

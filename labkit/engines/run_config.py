@@ -11,7 +11,7 @@ import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, NamedTuple
 
-from labkit.budget.inputs import OFFLOAD_TARGETS
+from labkit.names import OFFLOAD_TARGETS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # compute dtype (torch's name) -> bytes per element
 

@@ -26,6 +26,7 @@ from labkit.engines import activation_checkpointing
 from labkit.engines.base import RankInfo, RunConfig, compute_dtype
 from labkit.engines.registry import SCRATCH
 from labkit.model import loss_fn
+from labkit.names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from labkit.probes.memory import STEP_SCALARS, in_categories
 from labkit.zero import ShardedAdamW, ZeRO3
 from labkit.zero.hooks import unit_plan
@@ -137,8 +138,8 @@ def unit_costs(model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpe
         out.append(
             UnitCost(
                 name,
-                collective_wire_bytes("all_gather", padded * compute_bytes, g),
-                collective_wire_bytes("reduce_scatter", trained * 4, g),
+                collective_wire_bytes(ALL_GATHER, padded * compute_bytes, g),
+                collective_wire_bytes(REDUCE_SCATTER, trained * 4, g),
                 cfg.reshard_after_forward and name != OUTPUT,
                 name != INPUT,
             )
@@ -157,15 +158,15 @@ def predicted_wire_bytes(
     replicas = world_size // g
     costs = unit_costs(model, cfg, world_size, units)
     out = {
-        "all_gather": sum(u.gather_wire_bytes * (1 + u.backward_gather) for u in costs),
-        "reduce_scatter": sum(u.reduce_wire_bytes for u in costs),
+        ALL_GATHER: sum(u.gather_wire_bytes * (1 + u.backward_gather) for u in costs),
+        REDUCE_SCATTER: sum(u.reduce_wire_bytes for u in costs),
     }
     if replicas > 1:
         trained = [
             sum(padded_numel(tuple(p.shape), g) for _, p in params if p.requires_grad)
             for _, _, params in unit_plan(model, units, split_root(cfg, units))
         ]
-        out["all_reduce"] = sum(collective_wire_bytes("all_reduce", t // g * 4, replicas) for t in trained)
+        out[ALL_REDUCE] = sum(collective_wire_bytes(ALL_REDUCE, t // g * 4, replicas) for t in trained)
     return out
 
 

@@ -18,6 +18,7 @@ from labkit.engines import deepspeed as ds_engine
 from labkit.engines.base import RunConfig
 from labkit.engines.loop import rank_info, rank_model, train_steps
 from labkit.model import build_model, count_params
+from labkit.names import ALL_GATHER, REDUCE_SCATTER
 from labkit.probes import Probes, state_bytes
 from labkit.probes.memory import storages
 
@@ -45,7 +46,7 @@ def own_accounting_beside_probe(cfg: RunConfig) -> dict[str, Any]:
         losses = train_steps(engine, cfg, probes=probes)
     probe: dict[str, dict[str, int]] = {}
     for c in probes.comm.calls:
-        if c.kind in ("all_gather", "reduce_scatter"):
+        if c.kind in (ALL_GATHER, REDUCE_SCATTER):
             row = probe.setdefault(c.kind, {"calls": 0, "payload_bytes": 0})
             row["calls"] += 1
             row["payload_bytes"] += c.payload_bytes

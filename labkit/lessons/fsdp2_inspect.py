@@ -22,6 +22,7 @@ from labkit.engines.base import RunConfig, adamw
 from labkit.engines.loop import rank_batch, rank_info, rank_model, train_steps
 from labkit.lessons.fsdp2_features import build_engine, shard_mesh
 from labkit.model import loss_fn
+from labkit.names import ALL_GATHER
 from labkit.probes import Probes
 
 PLACEMENT_NAMES = ("blocks.0.qkv.weight", "blocks.0.ln1.bias", "tok.weight")
@@ -68,7 +69,7 @@ def mixed_precision_by_block(cfg: RunConfig, bf16_blocks: Sequence[int] = (0, 1)
     engine = fsdp2.Fsdp2Engine(model, adamw(model.parameters(), cfg), info.device)
     with Probes(info.rank, info.device) as probes:
         losses = train_steps(engine, cfg, probes=probes)
-    gathers = [c for c in probes.comm.calls if c.kind == "all_gather" and c.step == cfg.steps - 1]
+    gathers = [c for c in probes.comm.calls if c.kind == ALL_GATHER and c.step == cfg.steps - 1]
     return {
         "param_dtype": {i: seen.get(i) for i in range(len(model.blocks))},
         "block_numel": {i: sum(p.numel() for p in b.parameters()) for i, b in enumerate(model.blocks)},
@@ -111,7 +112,7 @@ def first_step_logs(cfg: RunConfig, per_block: bool = True) -> dict[str, Any]:
         tokens, targets = rank_batch(0, cfg.model, cfg.seed, info.world_size, info.rank, info.device)
         loss_fn(model(tokens), targets).backward()
         optimizer.step()
-    gathers = [c.payload_bytes for c in probes.comm.calls if c.kind == "all_gather"]
+    gathers = [c.payload_bytes for c in probes.comm.calls if c.kind == ALL_GATHER]
     return {
         "log": lines,
         "all_gather_calls": len(gathers),

@@ -25,6 +25,7 @@ from labkit.engines.base import RankInfo, RunConfig, adamw
 from labkit.engines.ds_config import matched_to_fsdp2
 from labkit.engines.loop import run_many
 from labkit.engines.registry import DEEPSPEED, FSDP2
+from labkit.names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 
 FSDP2_BLOCKS = "fsdp2, per-block units"
 FSDP2_MODULES = "fsdp2, module units"
@@ -229,8 +230,8 @@ def parity_table(result: dict[str, Any]) -> str:
     for label, row in result["engines"].items():
         calls, phases = row["calls"], row["phase_s"]
         lines.append(
-            f"{label:<24} {calls.get('all_gather', 0):>11} {calls.get('reduce_scatter', 0):>15} "
-            f"{calls.get('all_reduce', 0):>11} {sum(row['wire_bytes'].values()) / 1e6:>8.3f} "
+            f"{label:<24} {calls.get(ALL_GATHER, 0):>11} {calls.get(REDUCE_SCATTER, 0):>15} "
+            f"{calls.get(ALL_REDUCE, 0):>11} {sum(row['wire_bytes'].values()) / 1e6:>8.3f} "
             f"{row['step_s'] * 1e3:>8.1f} {row['spread']:>6.2f} {phases['forward'] * 1e3:>7.1f} "
             f"{phases['backward'] * 1e3:>7.1f} {phases['optimizer'] * 1e3:>7.1f}"
         )

@@ -29,6 +29,7 @@ from labkit.engines.loop import rank_batch, rank_info, train_steps
 from labkit.engines.single import SingleEngine
 from labkit.lessons.fsdp2_features import build_engine, full_state, shard_mesh
 from labkit.model import GPT, batch, build_model, config, count_params, initial_value
+from labkit.names import ALL_GATHER, REDUCE_SCATTER
 from labkit.probes import PeakMemory, Probes
 
 # ------------------------------------------------------------------------------------ measuring micro-steps
@@ -348,7 +349,7 @@ def separate_reduce_scatter_group(cfg: RunConfig) -> dict[str, Any]:
         losses = train_steps(engine, cfg, probes=probes)
     return {
         "groups": {
-            kind: sorted(names) for kind, names in seen.items() if kind in ("all_gather", "reduce_scatter")
+            kind: sorted(names) for kind, names in seen.items() if kind in (ALL_GATHER, REDUCE_SCATTER)
         },
         "shard_group": mesh.get_group().group_name,
         "group_ranks": {call.kind: list(call.group_ranks) for call in probes.comm.calls},
@@ -396,11 +397,11 @@ def run_accumulation(
             with probes.step(step):
                 loss = step_fn(engine.model, micro_batches(step, cfg, micro_steps))
                 engine.optimizer_step()
-            sent = probes.comm.summary(step).get("reduce_scatter", {"calls": 0, "wire_bytes": 0})
+            sent = probes.comm.summary(step).get(REDUCE_SCATTER, {"calls": 0, "wire_bytes": 0})
             out.append(
                 {
                     "loss": global_mean([float(loss)]),
-                    "reduce_scatter": {k: sent[k] for k in ("calls", "wire_bytes")},
+                    REDUCE_SCATTER: {k: sent[k] for k in ("calls", "wire_bytes")},
                 }
             )
     return out
