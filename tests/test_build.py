@@ -279,15 +279,3 @@ def test_every_check_passes_the_filled_pieces_on_one_rank():
     assert "cut into 1 shard of ceil(d0/1) rows" in str(
         results[0]
     ) and "and 0 of padding over all ranks" in str(results[0])
-
-
-def test_the_former_package_name_still_hands_out_the_scaffold_for_old_copies_of_exercise_07():
-    """Copies of exercise 07 handed out before the rename import `Learner, Pieces, Unit` from `labkit.build`."""
-    import labkit.build as former
-    import labkit.buildalong as buildalong
-
-    assert (former.Learner, former.Pieces, former.Unit) == (
-        buildalong.Learner,
-        buildalong.Pieces,
-        buildalong.Unit,
-    )

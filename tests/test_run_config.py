@@ -38,7 +38,10 @@ def test_prefetch_and_its_depth_are_one_setting_in_two_spellings():
         ({"betas": (1.0, 0.9)}, r"betas=\(1.0, 0.9\): pass a tuple of two numbers in \[0, 1\)"),
         ({"prefetch_depth": -1}, "prefetch_depth=-1: pass a whole number of units, 0 or more"),
         ({"reshard_after_forward": None}, "reshard_after_forward=None: pass True or False"),
-        ({"options": {"prefetch_depth": 2}}, r"options\['prefetch_depth'\]=2: .* pass prefetch_depth=2"),
+        (
+            {"options": {"prefetch_depth": 2}},
+            r"options\['prefetch_depth'\]=2: prefetch_depth is a setting of the run, .* pass prefetch_depth=2",
+        ),
     ],
 )
 def test_a_bad_setting_is_refused_when_built_in_one_sentence_naming_it(change, sentence):

@@ -13,7 +13,6 @@ from typing import Protocol
 
 import torch
 
-from labkit.engines import ENGINES  # noqa: F401 (the names, re-exported beside the protocol)
 from labkit.engines.run_config import RunConfig  # the schema of a run, torch-free for the CLI
 from labkit.model import loss_fn
 

@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 import labkit
 from labkit import cluster
-from labkit.engines.base import ENGINES, Engine, RankInfo, RunConfig
-from labkit.engines.registry import DEEPSPEED
+from labkit.engines.base import Engine, RankInfo, RunConfig
+from labkit.engines.registry import DEEPSPEED, ENGINES
 from labkit.engines.run_config import SETTINGS
 from labkit.model import batch, build_model, count_params
 from labkit.names import NVME

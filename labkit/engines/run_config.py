@@ -198,10 +198,12 @@ def _check_switch(name: str, value: Any, s: Setting) -> None:
 def _check_options(name: str, value: Any, s: Setting) -> None:
     if not isinstance(value, dict):
         raise ValueError(f"{name}={value!r}: pass a dict of engine-specific settings")
-    if "prefetch_depth" in value:
+    settings = sorted(set(value) & set(SETTINGS))
+    if settings:
+        key = settings[0]
         raise ValueError(
-            f"options['prefetch_depth']={value['prefetch_depth']!r}: the prefetch depth is a RunConfig "
-            f"setting now; pass prefetch_depth={value['prefetch_depth']!r}, not in options"
+            f"options[{key!r}]={value[key]!r}: {key} is a setting of the run, not an engine's option; pass "
+            f"{key}={value[key]!r}"
         )
 
 
