@@ -20,7 +20,6 @@ import io
 import json
 import mmap
 import os
-import re
 import shutil
 import signal
 import sys
@@ -55,6 +54,14 @@ from labkit.placement import (  # noqa: F401 (where ranks run: part of labkit.cl
     ranks_per_node,
     under_launcher,
     visible_gpus,
+)
+from labkit.rank_output import (
+    PEER_LOST,
+    collective_hint,
+    fold_native_frames,
+    native_failure,
+    tail_text,
+    user_frame,
 )
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -270,9 +277,12 @@ class _Run:
         another's failure, so it is told last; of the rest, a rank that died without a report comes first
         (its peers' errors follow from it), else the earliest report of an exception."""
         reports = {r: self._read_json(f"error{r}.json") for r in failed}
-        logs = {r: _tail_text(self._log(r), max_lines=400) for r in failed if not reports[r]}
-        said = {r: reports[r]["error"] if reports[r] else native_failure(logs[r])[0] for r in failed}
-        causes = [r for r in sorted(failed) if not any(t in said[r] for t in _PEER_LOST)] or sorted(failed)
+        logs = {r: tail_text(self._log(r), max_lines=400) for r in failed if not reports[r]}
+        said = {
+            r: reports[r]["error"] if reports[r] else native_failure(logs[r], _LAUNCHER_FILES)[0]
+            for r in failed
+        }
+        causes = [r for r in sorted(failed) if not any(t in said[r] for t in PEER_LOST)] or sorted(failed)
         silent = [r for r in causes if not reports[r]]
         if not silent:
             first = min((reports[r] for r in causes), key=lambda e: e["time"])
@@ -290,7 +300,7 @@ class _Run:
             if status < 0
             else f"exited with status {status}"
         )
-        cause, frame = native_failure(logs[rank])
+        cause, frame = native_failure(logs[rank], _LAUNCHER_FILES)
         if cause:  # a C++ library aborted the rank (gloo's checks do): its own line first, the C stack folded
             where = f" at {frame}" if frame else ""
             return LaunchError(f"rank {rank} {how}{where}: {cause}{collective_hint(cause)}", rank, logs[rank])
@@ -333,8 +343,8 @@ class _Run:
         doing, stacks = {}, {}
         for rank in range(self.world_size):
             status = _read_status(os.path.join(self.dir, f"status{rank}"))
-            stacks[rank] = _tail_text(os.path.join(self.dir, f"stack{rank}.txt"), 400)
-            where = _user_frame(stacks[rank])
+            stacks[rank] = tail_text(os.path.join(self.dir, f"stack{rank}.txt"), 400)
+            where = user_frame(stacks[rank], _LAUNCHER_FILES)
             doing[rank] = status + (f"; at {where}" if where else "")
         return doing, stacks
 
@@ -488,21 +498,6 @@ def _read_status(path: str) -> str:
 
 # Not the rank's own code: this launcher, its placement helpers and labkit.collectives' wrappers.
 _LAUNCHER_FILES = (__file__, labkit.placement.__file__, collectives.__file__)
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-
-
-def _user_frame(stack_dump: str) -> str:
-    """Where the rank's main thread is: its innermost frame outside torch and `_LAUNCHER_FILES`, and the torch
-    function it is inside when that is deeper (e.g. a stuck rendezvous)."""
-    block = next((b for b in stack_dump.split("\n\n") if "_rank_main" in b), "")
-    frames = list(_FRAME.finditer(block))  # most recent call first
-    for i, m in enumerate(frames):
-        if f"{os.sep}torch{os.sep}" not in m["file"] and m["file"] not in _LAUNCHER_FILES:
-            inside = (
-                f" (inside torch's {frames[0]['func']})" if i > 0 and "torch" in frames[0]["file"] else ""
-            )
-            return f"{m['file']}:{m['line']} in {m['func']}{inside}"
-    return ""
 
 
 def _die_with_parent() -> None:
@@ -527,54 +522,6 @@ def _empty_dir(path: str) -> None:
     for name in os.listdir(path):
         full = os.path.join(path, name)
         shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
-
-
-_WHAT = re.compile(r"what\(\):\s*(.+)")  # std::terminate's line: the C++ exception's message
-_MISMATCH = ("doesn't match expected size", "collective mismatch")
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote process exited")
-
-
-def native_failure(log: str) -> tuple[str, str]:
-    """From a rank's output after a C++ abort: (the exception's own message, where the rank's code was, as
-    `_user_frame` says it); ('', '') when the log holds no such message."""
-    text = "\n".join(re.sub(r"^\[rank \d+\]\s?", "", line) for line in log.splitlines())
-    cause = next((m.group(1).strip() for m in _WHAT.finditer(text)), "")
-    return (cause, _user_frame(text)) if cause else ("", "")
-
-
-def fold_native_frames(text: str) -> str:
-    """`text` without the C++ stack torch appends to an error ('Exception raised from ...', 'frame #N: ...'),
-    one line saying how many frames were folded in its place."""
-    kept, folded = [], 0
-    for line in text.splitlines():
-        if re.match(r"\s*(frame #\d+:|Exception raised from )", line):
-            folded += 1
-            continue
-        if folded:
-            kept.append(f"  ({folded} C++ frames folded)")
-            folded = 0
-        kept.append(line)
-    if folded:
-        kept.append(f"  ({folded} C++ frames folded)")
-    return "\n".join(kept)
-
-
-def collective_hint(message: str) -> str:
-    """A sentence for the failures that mean the ranks' collectives did not match, else ''."""
-    if not any(text in message for text in _MISMATCH):
-        return ""
-    return (
-        " — the ranks' collectives did not match: every rank must call the same collectives, in the same "
-        "order, with tensors of the same size"
-    )
-
-
-def _tail_text(path: str, max_lines: int) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-max_lines:]).rstrip()
-    except OSError:
-        return ""
 
 
 _HANDLED_SIGNALS = [

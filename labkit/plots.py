@@ -1,13 +1,11 @@
 """Matplotlib figures for the lab: one flat module of functions, each returning a `Figure`.
 
 Figures are built with `matplotlib.figure.Figure` directly (no pyplot state, no `plt.show()`), so they
-render the same under Agg, in a notebook, and inside a widget. Bytes are shown in GB (1e9 B). The one
-non-figure, `self_check_html`, is the notebooks' other visual: questions whose answers open on a click.
+render the same under Agg, in a notebook, and inside a widget. Bytes are shown in GB (1e9 B).
 """
 
 from __future__ import annotations
 
-import html
 import io
 from collections.abc import Mapping, Sequence
 
@@ -411,16 +409,6 @@ def traffic_bars(
     if title:
         ax.set_title(title)
     return fig
-
-
-def self_check_html(items: Sequence[tuple[str, str]]) -> str:
-    """(question, answer) pairs as HTML `<details>` blocks: the answer shows when its question is clicked."""
-    blocks = [
-        f"<details style='margin:4px 0'><summary><b>{html.escape(q)}</b></summary>"
-        f"<div style='margin:4px 0 8px 16px'>{html.escape(a)}</div></details>"
-        for q, a in items
-    ]
-    return "\n".join(blocks)
 
 
 # ---------------------------------------------------------------------------------------------- collectives

@@ -6,6 +6,7 @@ the prediction and by how much they differ, the formula beside the measurement, 
 when a prediction was entered and missed. Under papermill ("Run All" with the box empty) nobody typed: the
 reveal says no prediction was entered and shows the measurement and the formula, nothing about mistakes.
 A plain number works too: `predict(question, unit, value=1.5e6)`.
+`self_check_html(items)` is the other kind of question: a list whose answers open on a click.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import html
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from labkit.measured import Measured
@@ -257,3 +259,13 @@ def _show(reveal: Reveal) -> None:
         display({"text/plain": str(reveal), "text/html": reveal._repr_html_()}, raw=True)
     else:
         print(reveal)
+
+
+def self_check_html(items: Sequence[tuple[str, str]]) -> str:
+    """(question, answer) pairs as HTML `<details>` blocks: the answer shows when its question is clicked."""
+    blocks = [
+        f"<details style='margin:4px 0'><summary><b>{html.escape(q)}</b></summary>"
+        f"<div style='margin:4px 0 8px 16px'>{html.escape(a)}</div></details>"
+        for q, a in items
+    ]
+    return "\n".join(blocks)

@@ -207,7 +207,7 @@ def test_a_collective_mismatch_that_aborts_a_rank_leads_with_its_own_line_and_a_
 
 
 def test_torchs_cpp_frames_are_folded_out_of_a_ranks_error():
-    from labkit.cluster import fold_native_frames
+    from labkit.rank_output import fold_native_frames
 
     error = "RuntimeError: boom\nException raised from f at x.cpp:1 (most recent call first):\nframe #0: a\nframe #1: b\n"
     assert fold_native_frames(error) == "RuntimeError: boom\n  (3 C++ frames folded)"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import classroom, cluster, doctor, limits, prebuild
+from labkit import classroom, cluster, doctor, limits, page_server, prebuild
 from labkit.cli import main
 
 KEYS = {
@@ -403,7 +403,7 @@ def _fake_server(folder: Path, python: str, name: str = "jupyterhub-singleuser")
 
 def _check_under(script: Path, **env) -> tuple[int, dict, list[str]]:
     """(the fake server's pid, the server its child found, the child's problems)."""
-    base = {k: v for k, v in os.environ.items() if k != doctor.HUB_ENV}  # this session may run on a hub
+    base = {k: v for k, v in os.environ.items() if k != page_server.HUB_ENV}  # this session may run on a hub
     done = subprocess.run([str(script)], capture_output=True, text=True, timeout=120, env={**base, **env})
     assert done.returncode == 0, done.stderr
     pid, found = done.stdout.split(" ", 1)
@@ -432,7 +432,7 @@ def bare_python(tmp_path_factory) -> str:
     ],
 )
 def test_a_jupyter_server_is_known_by_its_command_line(cmdline, server):
-    assert doctor.is_jupyter_server(cmdline) is server
+    assert page_server.is_jupyter_server(cmdline) is server
 
 
 def test_the_server_checked_is_the_one_the_doctor_runs_under(tmp_path):
@@ -485,8 +485,8 @@ def test_a_server_without_rise_or_widgets_is_a_problem_that_names_its_python(tmp
 def test_outside_any_server_the_doctor_checks_the_jupyter_lab_on_path(tmp_path, bare_python):
     _fake_server(tmp_path / "bin", bare_python, name="jupyter-lab")
     child = (  # as a shell outside Jupyter runs it, whatever runs this test
-        "import json; from labkit import doctor; doctor.find_server = lambda pid=None: None; "
-        "print(json.dumps(doctor.jupyter_server()))"
+        "import json; from labkit import page_server; page_server.find_server = lambda pid=None: None; "
+        "print(json.dumps(page_server.jupyter_server()))"
     )
     done = subprocess.run(
         [sys.executable, "-c", child],

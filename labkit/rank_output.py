@@ -1,0 +1,73 @@
+"""What a failed rank's output says: the C++ exception behind an abort, where the rank's own code was, the
+sentence for collectives that did not match, and torch's C++ frames folded to one line (`labkit.cluster`
+turns these into the one exception a launch raises).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_WHAT = re.compile(r"what\(\):\s*(.+)")  # std::terminate's line: the C++ exception's message
+_MISMATCH = ("doesn't match expected size", "collective mismatch")
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote process exited")
+
+
+def user_frame(stack_dump: str, launcher_files: Sequence[str]) -> str:
+    """Where the rank's main thread is: its innermost frame outside torch and `launcher_files`, and the torch
+    function it is inside when that is deeper (e.g. a stuck rendezvous)."""
+    block = next((b for b in stack_dump.split("\n\n") if "_rank_main" in b), "")
+    frames = list(_FRAME.finditer(block))  # most recent call first
+    for i, m in enumerate(frames):
+        if f"{os.sep}torch{os.sep}" not in m["file"] and m["file"] not in launcher_files:
+            inside = (
+                f" (inside torch's {frames[0]['func']})" if i > 0 and "torch" in frames[0]["file"] else ""
+            )
+            return f"{m['file']}:{m['line']} in {m['func']}{inside}"
+    return ""
+
+
+def native_failure(log: str, launcher_files: Sequence[str]) -> tuple[str, str]:
+    """From a rank's output after a C++ abort: (the exception's own message, where the rank's code was, as
+    `user_frame` says it); ('', '') when the log holds no such message."""
+    text = "\n".join(re.sub(r"^\[rank \d+\]\s?", "", line) for line in log.splitlines())
+    cause = next((m.group(1).strip() for m in _WHAT.finditer(text)), "")
+    return (cause, user_frame(text, launcher_files)) if cause else ("", "")
+
+
+def fold_native_frames(text: str) -> str:
+    """`text` without the C++ stack torch appends to an error ('Exception raised from ...', 'frame #N: ...'),
+    one line saying how many frames were folded in its place."""
+    kept, folded = [], 0
+    for line in text.splitlines():
+        if re.match(r"\s*(frame #\d+:|Exception raised from )", line):
+            folded += 1
+            continue
+        if folded:
+            kept.append(f"  ({folded} C++ frames folded)")
+            folded = 0
+        kept.append(line)
+    if folded:
+        kept.append(f"  ({folded} C++ frames folded)")
+    return "\n".join(kept)
+
+
+def collective_hint(message: str) -> str:
+    """A sentence for the failures that mean the ranks' collectives did not match, else ''."""
+    if not any(text in message for text in _MISMATCH):
+        return ""
+    return (
+        " — the ranks' collectives did not match: every rank must call the same collectives, in the same "
+        "order, with tensors of the same size"
+    )
+
+
+def tail_text(path: str, max_lines: int) -> str:
+    """The last `max_lines` lines of the file at `path`; "" when it cannot be read."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-max_lines:]).rstrip()
+    except OSError:
+        return ""
