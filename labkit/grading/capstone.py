@@ -55,6 +55,7 @@ from labkit.grading.kit import (
     tally,
     tensor_json,
 )
+from labkit.names import ALL_GATHER, REDUCE_SCATTER
 
 LOCK = threading.RLock()  # held while a model is registered, and around single's reference (which registers)
 LAUNCH_TIMEOUT_S = 120.0
@@ -173,7 +174,7 @@ def _rank(pieces, run: Run, own: dict[str, Any], crashes: str) -> dict:
         for e in out["timeline"]
         if e["step"] == last
         and (
-            (e["kind"] == "comm" and e["name"] == "all_gather")
+            (e["kind"] == "comm" and e["name"] == ALL_GATHER)
             or (e["kind"] == "compute" and e["name"].endswith(".forward"))
         )
     ]
@@ -183,7 +184,7 @@ def _rank(pieces, run: Run, own: dict[str, Any], crashes: str) -> dict:
         "comm": out["comm"][last],
         "state_bytes": out["state_bytes"],
         "gathers": [
-            [c["payload_bytes"], c["async_op"]] for c in out["collective_calls"] if c["kind"] == "all_gather"
+            [c["payload_bytes"], c["async_op"]] for c in out["collective_calls"] if c["kind"] == ALL_GATHER
         ],
         "order": order,
         "memory": {"after_forward": watch.after_forward, "after_grad": watch.after_grad, "peak": watch.peak},
@@ -440,23 +441,23 @@ def expected_wire_bytes(run: Run) -> dict[str, int]:
 
     payload = run.padded_elements() * 4
     return {
-        "all_gather": 2 * collective_wire_bytes("all_gather", payload, run.ranks),
-        "reduce_scatter": collective_wire_bytes("reduce_scatter", payload, run.ranks),
+        ALL_GATHER: 2 * collective_wire_bytes(ALL_GATHER, payload, run.ranks),
+        REDUCE_SCATTER: collective_wire_bytes(REDUCE_SCATTER, payload, run.ranks),
     }
 
 
 def expected_calls(run: Run) -> dict[str, int]:
     """Per rank per step: one packed all-gather per unit in forward and one in backward, one reduce-scatter."""
     units = len(run.unit_shapes())
-    return {"all_gather": 2 * units, "reduce_scatter": units}
+    return {ALL_GATHER: 2 * units, REDUCE_SCATTER: units}
 
 
 def _bytes_judge(got: list, run: Run) -> tuple[float, str]:
     want = expected_wire_bytes(run)
     payload = run.padded_elements() * 4
     formula = {
-        "all_gather": f"2 x (n-1)/n x {payload:,} B of padded weights = {want['all_gather']:,} B",
-        "reduce_scatter": f"(n-1)/n x {payload:,} B of padded gradients = {want['reduce_scatter']:,} B",
+        ALL_GATHER: f"2 x (n-1)/n x {payload:,} B of padded weights = {want[ALL_GATHER]:,} B",
+        REDUCE_SCATTER: f"(n-1)/n x {payload:,} B of padded gradients = {want[REDUCE_SCATTER]:,} B",
     }
     cases = []
     for rank, comm in enumerate(got):
@@ -474,7 +475,7 @@ def _bytes_judge(got: list, run: Run) -> tuple[float, str]:
                 (
                     seen == calls,
                     f"rank {rank}: {seen} {kind} calls in a step, want {calls}: one per unit "
-                    f"{'in forward and one in backward' if kind == 'all_gather' else 'after its backward'}, "
+                    f"{'in forward and one in backward' if kind == ALL_GATHER else 'after its backward'}, "
                     "every parameter of the unit packed into it",
                 )
             )

@@ -20,6 +20,7 @@ from unittest import mock
 from labkit.errors import error_text
 from labkit.grading import capstone
 from labkit.grading.kit import RANK_ORDER, Check, Exercise, answer, tally, tensor_json, tensor_mismatch
+from labkit.names import ALL_GATHER, ALL_REDUCE, DATA_PARALLEL, HSDP, REDUCE_SCATTER, ZERO1, ZERO2, ZERO3
 
 _LOCK = threading.Lock()
 DEMO_RANKS = 3  # the exercises' demonstrations run on 3 ranks
@@ -45,18 +46,18 @@ def _fact_sheet_state(strategy: str, world_size: int = FACT_RANKS, group_size: i
 def _state_cases(ns: dict) -> list:
     fn = answer(ns, "state_bytes_per_rank")
     p, n = FACT_PARAMS, FACT_RANKS
-    chain = [float(fn(p, n, s)) for s in ("ddp", "zero1", "zero2", "zero3")]
+    chain = [float(fn(p, n, s)) for s in (DATA_PARALLEL, ZERO1, ZERO2, ZERO3)]
     return [
         *(
             (
                 math.isclose(got, want := _fact_sheet_state(s), abs_tol=16),
                 f"{s}, 30e9 params on 256 ranks: {got:g} B, the fact sheet's {want:g} B",
             )
-            for s, got in zip(("ddp", "zero1", "zero2", "zero3"), chain, strict=True)
+            for s, got in zip((DATA_PARALLEL, ZERO1, ZERO2, ZERO3), chain, strict=True)
         ),
         (chain == sorted(chain, reverse=True), f"ddp >= zero1 >= zero2 >= zero3 on 256 ranks: {chain}"),
         (
-            float(fn(p, 8, "ddp")) == chain[0],
+            float(fn(p, 8, DATA_PARALLEL)) == chain[0],
             "ddp replicates everything: its bytes do not depend on the world size",
         ),
     ]
@@ -66,7 +67,7 @@ def _fit_cases(ns: dict) -> list:
     """The fewest ranks must fit by the student's own state function, and one rank fewer must not."""
     fit, state = answer(ns, "min_ranks_to_fit"), answer(ns, "state_bytes_per_rank")
     cases = []
-    for p, gpu, s in ((7e9, 80e9, "zero3"), (30e9, 80e9, "zero2")):
+    for p, gpu, s in ((7e9, 80e9, ZERO3), (30e9, 80e9, ZERO2)):
         n = fit(p, gpu, s)
         ok = n is not None and state(p, n, s) <= gpu and (n == 1 or state(p, n - 1, s) > gpu)
         cases.append((ok, f"params={p:g}, {gpu:g} B, {s}: {n} ranks, not the fewest whose state fits"))
@@ -347,11 +348,11 @@ def hsdp_traffic_by_collective(params: float, world_size: int, group_size: int) 
     """Bytes one rank sends per step per collective of HSDP, as notebook 06 prints them (labkit.budget)."""
     from labkit import budget
 
-    by = budget.plan(params, world_size, "hsdp", group_size=group_size)["traffic_bytes_by_collective"]
+    by = budget.plan(params, world_size, HSDP, group_size=group_size)["traffic_bytes_by_collective"]
     return {
-        "all_gather": by["all_gather_forward"] + by["all_gather_backward"],
-        "reduce_scatter": by["reduce_scatter"],
-        "all_reduce": by["all_reduce"],
+        ALL_GATHER: by["all_gather_forward"] + by["all_gather_backward"],
+        REDUCE_SCATTER: by[REDUCE_SCATTER],
+        ALL_REDUCE: by[ALL_REDUCE],
     }
 
 
@@ -379,7 +380,7 @@ def _cross_cases(ns: dict) -> list:
     crosses = answer(ns, "crosses_groups")
     return [
         (
-            set(crosses) < {"all_gather", "reduce_scatter", "all_reduce"} and bool(crosses),
+            set(crosses) < {ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE} and bool(crosses),
             "crosses_groups names some, not all, of all_gather, reduce_scatter, all_reduce",
         )
     ]
@@ -387,7 +388,7 @@ def _cross_cases(ns: dict) -> list:
 
 def _hsdp_state_cases(ns: dict) -> list:
     fn = answer(ns, "hsdp_state_bytes_per_rank")
-    got, want = float(fn(FACT_PARAMS, 512, FACT_GROUP)), _fact_sheet_state("hsdp", 512, FACT_GROUP)
+    got, want = float(fn(FACT_PARAMS, 512, FACT_GROUP)), _fact_sheet_state(HSDP, 512, FACT_GROUP)
     return [
         (
             math.isclose(got, want, abs_tol=16),
@@ -479,8 +480,8 @@ def _accumulation_cases(ns: dict) -> list:
         [(why is None, why or "")]
         + [
             (
-                row["reduce_scatter"]["calls"] == units,
-                f"step {i}: {row['reduce_scatter']['calls']} reduce-scatters, one per unit is {units}",
+                row[REDUCE_SCATTER]["calls"] == units,
+                f"step {i}: {row[REDUCE_SCATTER]['calls']} reduce-scatters, one per unit is {units}",
             )
             for i, row in enumerate(steps)
         ]

@@ -18,9 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from labkit.grading.kit import Diagnosis, TimedOut
+from labkit.names import RING_KINDS
 
 _CELL_AT = re.compile(r"<cell (?P<cell>[^>]+)>:(?P<line>\d+) in (?P<func>\S+)")  # labkit.launch's "where"
-_SHAPE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
+_SHAPE_KINDS = (*RING_KINDS, "all_to_all")
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float) -> list[Any]:

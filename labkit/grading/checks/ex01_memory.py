@@ -6,10 +6,11 @@ from fractions import Fraction
 
 from labkit import budget
 from labkit.grading.kit import Check, Exercise, answer, close, draw_where, rng, tally
+from labkit.names import DATA_PARALLEL, ZERO1, ZERO2, ZERO3
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+STRATEGIES = (DATA_PARALLEL, ZERO1, ZERO2, ZERO3)  # the four the fact sheet prices
 # bf16 mixed precision: bytes per parameter of the replicated and of the sharded part, per strategy.
-_SPLIT = {"ddp": (16, 0), "zero1": (4, 12), "zero2": (2, 14), "zero3": (0, 16)}
+_SPLIT = {DATA_PARALLEL: (16, 0), ZERO1: (4, 12), ZERO2: (2, 14), ZERO3: (0, 16)}
 _MAX_RANKS = 2**24
 # The drawn state cases' world sizes, one each: one rank (nothing sharded), a few, many, not a power of two.
 STATE_RANKS = (1, 8, 64, 1000)
@@ -52,14 +53,14 @@ def _fit_cases(seed: int) -> list[tuple[float, float, str]]:
     """Fixed: fits on one rank, never fits, needs several; then a ZeRO-3 and a ZeRO-1 case drawn that need
     several ranks."""
     r = rng(seed, "fit")
-    fixed = [(7e9, 80e9, "zero3"), (7e9, 80e9, "ddp"), (1e9, 80e9, "ddp"), (30e9, 80e9, "zero2")]
+    fixed = [(7e9, 80e9, ZERO3), (7e9, 80e9, DATA_PARALLEL), (1e9, 80e9, DATA_PARALLEL), (30e9, 80e9, ZERO2)]
     drawn = [
         draw_where(
             r,
-            lambda r: (float(r.randrange(1, 200) * 1e9), float(r.choice([24, 40, 80, 141]) * 1e9), "zero3"),
+            lambda r: (float(r.randrange(1, 200) * 1e9), float(r.choice([24, 40, 80, 141]) * 1e9), ZERO3),
             _needs_several_ranks,
         ),
-        draw_where(r, lambda r: (float(r.randrange(1, 100) * 1e9), 80e9, "zero1"), _needs_several_ranks),
+        draw_where(r, lambda r: (float(r.randrange(1, 100) * 1e9), 80e9, ZERO1), _needs_several_ranks),
     ]
     return fixed + drawn
 

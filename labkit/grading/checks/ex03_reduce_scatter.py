@@ -23,6 +23,7 @@ from labkit.grading.kit import (
     tensor_json,
     tensor_mismatch,
 )
+from labkit.names import ALL_REDUCE, REDUCE_SCATTER
 
 RANKS = 3
 LAUNCH_TIMEOUT_S = 60.0
@@ -170,8 +171,8 @@ def _calls_judge(got: list, seed: int) -> tuple[float, str]:
 
     calls = [str(c) for c in got[0]]
     kinds = [COLLECTIVES[c].kind if c in COLLECTIVES else c for c in calls]
-    scatters = [c for c, kind in zip(calls, kinds, strict=True) if kind == "reduce_scatter"]
-    if len(scatters) == len(_flat_numels(seed)) and "all_reduce" not in kinds:
+    scatters = [c for c, kind in zip(calls, kinds, strict=True) if kind == REDUCE_SCATTER]
+    if len(scatters) == len(_flat_numels(seed)) and ALL_REDUCE not in kinds:
         return 1.0, f"one {scatters[0]} per buffer and no all-reduce: (n-1)/n of the buffer on the wire"
     return 0.0, (
         f"saw {calls or 'no torch.distributed collective'}; want one dist.reduce_scatter_single per buffer "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from labkit.grading.checks import ex04_prefetch_reference
 from labkit.grading.kit import Check, Exercise, answer, judge_beside, probe_beside, rng, stand_ins, tally
+from labkit.names import ALL_GATHER
 
 MOMENTS = ("before_forward", "before_backward")
 # The schedule and the counts may call the student's orders: a reference stands in for one that raises.
@@ -46,7 +47,7 @@ def _engine_run(n_blocks: int, reshard_after_forward: bool) -> tuple:
     all_gather = comm.all_gather
 
     def recorded_gather(out, shard, group=None, async_op=False):
-        trace.append(("all_gather", issuing[0], bool(async_op)))
+        trace.append((ALL_GATHER, issuing[0], bool(async_op)))
         return all_gather(out, shard, group=group, async_op=async_op)
 
     for unit in engine.units:
@@ -90,7 +91,7 @@ def reference_schedule(n_blocks: int) -> list[list]:
     for kind, name, flag in _steady_step(n_blocks):
         if kind in MOMENTS:
             schedule.append([kind, name, None])
-        elif kind == "all_gather" and flag and schedule and schedule[-1][2] is None:
+        elif kind == ALL_GATHER and flag and schedule and schedule[-1][2] is None:
             schedule[-1][2] = name
     return schedule
 
@@ -137,7 +138,7 @@ def _count_judge(got: list, seed: int) -> tuple[float, str]:
     cases = []
     for n, counts in zip(_n_blocks(seed), got, strict=True):
         for reshard, seen in zip((True, False), counts, strict=True):
-            want = sum(kind == "all_gather" for kind, _, _ in _steady_step(n, reshard))
+            want = sum(kind == ALL_GATHER for kind, _, _ in _steady_step(n, reshard))
             cases.append(
                 (
                     seen == want,

@@ -5,8 +5,7 @@ from __future__ import annotations
 from labkit import budget
 from labkit.grading.kit import Check, Exercise, answer, close, draw_where, rng, tally
 from labkit.grading.public import bytes_said, hsdp_traffic_by_collective
-
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+from labkit.names import HSDP, STEP_KINDS
 
 
 def _oblong(case: tuple[float, int, int]) -> bool:
@@ -63,7 +62,7 @@ def _traffic_probe(ns: dict, seed: int) -> list:
     out = []
     for p, n, g in _cases(seed):
         traffic = fn(p, n, g)
-        out.append({k: float(traffic[k]) for k in COLLECTIVES})
+        out.append({k: float(traffic[k]) for k in STEP_KINDS})
     return out
 
 
@@ -88,7 +87,7 @@ def _crosses_probe(ns: dict, seed: int) -> list:
 
 def _crosses_judge(got: list, seed: int) -> tuple[float, str]:
     p, n, g = _cases(seed)[0]
-    terms = budget.plan(p, n, "hsdp", group_size=g)["traffic_terms"]
+    terms = budget.plan(p, n, HSDP, group_size=g)["traffic_terms"]
     want = sorted({t["collective"] for t in terms if t["group_size"] != g})
     if got == want:
         return 1.0, f"only {want[0]} rings join ranks of different shard groups (one rank per group)"
@@ -103,7 +102,7 @@ def _state_probe(ns: dict, seed: int) -> list:
 def _state_judge(got: list, seed: int) -> tuple[float, str]:
     cases = []
     for (p, n, g), value in zip(_cases(seed), got, strict=True):
-        want = budget.plan(p, n, "hsdp", group_size=g)["state_bytes_per_rank"]
+        want = budget.plan(p, n, HSDP, group_size=g)["state_bytes_per_rank"]
         cases.append(
             (close(value, want, abs_tol=16), f"params={p:g}, n={n}, g={g}: {value:g} B, want {want:g} B")
         )

@@ -27,6 +27,7 @@ from labkit.grading.kit import (
     stand_ins,
     tally,
 )
+from labkit.names import REDUCE_SCATTER
 
 RANKS = 2
 MICRO_STEPS = 2
@@ -140,7 +141,7 @@ def _model_seed(seed: int) -> int:
 
 
 def _scatter_probe(ns: dict, seed: int) -> list:
-    return [[step["reduce_scatter"] for step in rank["steps"]] for rank in _launch(ns, seed)]
+    return [[step[REDUCE_SCATTER] for step in rank["steps"]] for rank in _launch(ns, seed)]
 
 
 def _scatter_judge(got: list, seed: int) -> tuple[float, str]:
@@ -149,7 +150,7 @@ def _scatter_judge(got: list, seed: int) -> tuple[float, str]:
     from labkit.model import build_model
 
     cfg = RunConfig(model="tiny", world_size=RANKS, steps=STEPS)
-    want_bytes = fsdp2.predicted_wire_bytes(build_model("tiny"), cfg, RANKS)["reduce_scatter"]
+    want_bytes = fsdp2.predicted_wire_bytes(build_model("tiny"), cfg, RANKS)[REDUCE_SCATTER]
     units = len(build_model("tiny").blocks) + 1  # each block, then the root
     cases = []
     for rank, steps in enumerate(got):
