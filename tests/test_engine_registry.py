@@ -37,8 +37,6 @@ NOT_ENGINES = {
     ("doctor.py", "deepspeed"): "a package the doctor looks for",
     ("engines/ds_config.py", "deepspeed"): "the package's import name",
     ("lessons/deepspeed_inspect.py", "deepspeed"): "the package's module prefix",
-    ("grading/public.py", "ddp"): "exercise 01's strategies",
-    ("grading/checks/ex01_memory.py", "ddp"): "exercise 01's strategies",
     ("buildalong/verdicts.py", "single"): "a CheckResult figure the learner reads: single's losses",
     ("buildalong/fsdp2_check.py", "single"): "a CheckResult figure the learner reads: single's losses",
     ("buildalong/deepspeed_check.py", "single"): "a CheckResult figure the learner reads: single's losses",
@@ -59,3 +57,32 @@ def test_engine_names_are_spelled_only_in_the_registry():
     stray = {key: lines for key, lines in found.items() if key not in NOT_ENGINES}
     assert not stray, f"engine names typed outside labkit/engines/registry.py (import its constants): {stray}"
     assert set(NOT_ENGINES) <= set(found), set(NOT_ENGINES) - set(found)
+
+
+def test_every_engine_that_accounts_has_the_accounting_functions_and_no_other_does():
+    """The accounting protocol is declared in the registry (`ACCOUNTING`, `EngineSpec.accounts`): each engine
+    that says it prices its own step has every function, taking (model, cfg, world_size), returning bytes by
+    key for the lab's model; the engines that do not say so have none of them."""
+    import inspect
+
+    from labkit.engines.base import RunConfig
+    from labkit.engines.registry import ACCOUNTING
+    from labkit.model import build_model
+
+    cfg = RunConfig(model="tiny", world_size=2)
+    for name, spec in ENGINES.items():
+        module = importlib.import_module(spec.module)
+        present = [f for f in ACCOUNTING if hasattr(module, f)]
+        assert present == (list(ACCOUNTING) if spec.accounts else []), (name, present)
+        for f in present:
+            params = list(inspect.signature(getattr(module, f)).parameters)
+            assert params[:3] == ["model", "cfg", "world_size"], (name, f, params)
+            got = getattr(module, f)(build_model(cfg.model), cfg, 2)
+            assert got and all(
+                isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in got.items()
+            ), (
+                name,
+                f,
+                got,
+            )
+    assert {n for n, s in ENGINES.items() if s.accounts} == {"scratch", "fsdp1", "fsdp2", "deepspeed"}

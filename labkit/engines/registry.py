@@ -19,6 +19,11 @@ ORACLE = SINGLE  # the engine every other is held to: one rank, the global batch
 SHARDED_SETTINGS = ("prefetch", "prefetch_depth", "reshard_after_forward", "offload")
 
 
+# A sharded engine's own accounting, functions of its module: each (model, cfg, world_size) -> {key: bytes}, the
+# wire bytes one rank sends per step by collective kind, and its training state per rank by the probe's category.
+ACCOUNTING = ("predicted_wire_bytes", "state_bytes_accounting")
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine's facts. `module` holds its `build`; `checks` holds its `OPTIONS` (the `cfg.options` keys it
@@ -31,6 +36,7 @@ class EngineSpec:
     settings: tuple[str, ...] = ()  # the RunConfig settings it reads that not every engine does
     single_rank: bool = False  # runs on one rank with the global batch (the oracle)
     checks: str = ""  # a module name; empty: `module`
+    accounts: bool = False  # `module` prices its own step: the ACCOUNTING functions
 
     @property
     def checks_module(self) -> str:
@@ -43,12 +49,17 @@ ENGINES: dict[str, EngineSpec] = {
     for spec in (
         EngineSpec(SINGLE, "labkit.engines.single", DATA_PARALLEL, single_rank=True),
         EngineSpec(DDP, "labkit.engines.ddp", DATA_PARALLEL),
-        EngineSpec(SCRATCH, "labkit.engines.scratch", ZERO3, SHARDED_SETTINGS),
-        EngineSpec(FSDP1, "labkit.engines.fsdp1", ZERO3, SHARDED_SETTINGS),
-        EngineSpec(FSDP2, "labkit.engines.fsdp2", ZERO3, SHARDED_SETTINGS),
+        EngineSpec(SCRATCH, "labkit.engines.scratch", ZERO3, SHARDED_SETTINGS, accounts=True),
+        EngineSpec(FSDP1, "labkit.engines.fsdp1", ZERO3, SHARDED_SETTINGS, accounts=True),
+        EngineSpec(FSDP2, "labkit.engines.fsdp2", ZERO3, SHARDED_SETTINGS, accounts=True),
         # Prefetch and resharding are DeepSpeed's own ZeRO-3 knobs (options["zero_overrides"]), not settings.
         EngineSpec(
-            DEEPSPEED, "labkit.engines.deepspeed", ZERO3, ("offload",), checks="labkit.engines.ds_config"
+            DEEPSPEED,
+            "labkit.engines.deepspeed",
+            ZERO3,
+            ("offload",),
+            checks="labkit.engines.ds_config",
+            accounts=True,
         ),
     )
 }
