@@ -33,7 +33,7 @@ import labkit
 from labkit import cluster
 from labkit.budget import model_flops_utilisation
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import available_engines, run_many
+from labkit.engines.loop import run_many
 from labkit.engines.run_config import DTYPE_BYTES
 from labkit.model import GPT, count_params
 from labkit.model import config as model_config
@@ -121,7 +121,7 @@ def benchmark_lines(reps: int, steps: int, model: str = "gpt-125m") -> list[str]
     """The benchmark's Markdown: the step-time and MFU table, then the overlap line (times in ms)."""
     gpus = cluster.visible_gpus() or 1
     world_size = min(gpus, 4)
-    engines = [e for e in ENGINES if e in available_engines()]
+    engines = list(ENGINES)
     cfgs = [RunConfig(model=model, world_size=world_size, steps=steps, dtype=d) for d in DTYPE_BYTES]
     times = step_times_ms(engines, cfgs, reps)
     shape = model_config(model)

@@ -203,7 +203,7 @@ def run_doctor() -> tuple[str, str]:
 def _rank_collectives() -> dict[str, Any]:
     import torch.distributed as dist
 
-    from labkit.engines.loop import rank_info
+    from labkit.engines.on_rank import rank_info
 
     info = rank_info()
     n = info.world_size
@@ -245,7 +245,7 @@ def _gather_and_scatter() -> dict[str, Any]:
     """Notebook 00's second cell, on this rank's device."""
     import torch.distributed as dist
 
-    from labkit.engines.loop import rank_info
+    from labkit.engines.on_rank import rank_info
     from labkit.probes import Probes
 
     info = rank_info()
@@ -261,15 +261,15 @@ def _gather_and_scatter() -> dict[str, Any]:
 
 
 def _checkpoint_roundtrip(path: str) -> dict[str, Any]:
-    from labkit.engines import loop, scratch
+    from labkit.engines import on_rank, scratch
     from labkit.engines.base import RunConfig
     from labkit.zero import checkpoint
 
-    cfg = RunConfig(model="tiny", world_size=loop.rank_info().world_size, steps=2)
-    engine = scratch.build(cfg, loop.rank_model("tiny"), loop.rank_info())
-    loop.train_steps(engine, cfg)
+    cfg = RunConfig(model="tiny", world_size=on_rank.rank_info().world_size, steps=2)
+    engine = scratch.build(cfg, on_rank.rank_model("tiny"), on_rank.rank_info())
+    on_rank.train_steps(engine, cfg)
     checkpoint.save(path, engine.zero, engine.optimizer)
-    fresh = scratch.build(cfg, loop.rank_model("tiny", seed=1), loop.rank_info())
+    fresh = scratch.build(cfg, on_rank.rank_model("tiny", seed=1), on_rank.rank_info())
     checkpoint.load(path, fresh.zero, fresh.optimizer)
     same = all(torch.equal(a, b) for a, b in zip(engine.zero.shards(), fresh.zero.shards(), strict=True))
     return {"same": same, "device": str(fresh.zero.shards()[0].device)}
@@ -448,10 +448,10 @@ def check_build_along(world_size: int) -> str:
 
 def check_engines(world_size: int) -> str:
     from labkit.engines.base import RunConfig
-    from labkit.engines.loop import available_engines, run_many
+    from labkit.engines.loop import run_many
     from labkit.engines.run_config import DTYPE_BYTES
 
-    engines = [e for e in ("ddp", "scratch", "fsdp1", "fsdp2", "deepspeed") if e in available_engines()]
+    engines = ["ddp", "scratch", "fsdp1", "fsdp2", "deepspeed"]
     cfgs = [RunConfig(model="tiny", world_size=world_size, steps=3, dtype=d) for d in DTYPE_BYTES]
     singles = run_many([("single", c) for c in cfgs])
     runs = [(e, c) for c in cfgs for e in engines] + [("scratch", cfgs[0])]  # scratch again: same peak?
@@ -554,7 +554,7 @@ def check_quantized(world_size: int) -> tuple[str, str]:
 def _rank_hub() -> dict[str, Any]:
     from deepspeed.accelerator import get_accelerator
 
-    from labkit.engines.loop import rank_info
+    from labkit.engines.on_rank import rank_info
     from labkit.zero import ShardedAdamW
 
     shard = torch.nn.Parameter(torch.ones(4))

@@ -3,7 +3,7 @@
     python benchmarks/profile_step.py [--engines scratch,fsdp2,deepspeed,ddp] [--model small]
                                       [--world-size N] [--steps 4] [--out DIR]
 
-Each engine trains `--steps` steps with the lab's loop (`loop.train_rank`, its probes and batches); the
+Each engine trains `--steps` steps with the lab's loop (`on_rank.train_rank`, its probes and batches); the
 profiler records only the last of them (the earlier ones are warm-up: DeepSpeed traces its order over its
 first two). Rank 0 writes `DIR/<engine>.json`, a Chrome trace that Perfetto (ui.perfetto.dev) and
 `chrome://tracing` open, the format FSDP users read; the script prints each engine's ten ops with the most
@@ -24,8 +24,9 @@ import torch
 
 import labkit
 from labkit import cluster
-from labkit.engines import loop
+from labkit.engines import on_rank, validation
 from labkit.engines.base import RunConfig
+from labkit.engines.registry import ENGINES as REGISTERED
 
 ENGINES = ("scratch", "fsdp2", "deepspeed", "ddp")
 
@@ -44,7 +45,7 @@ class Profiled:
 
     def build(self, cfg: RunConfig, model: torch.nn.Module, info):
         model.register_forward_pre_hook(lambda *_: self.profiler.step())
-        return importlib.import_module(loop.engine_module_name(self.engine)).build(cfg, model, info)
+        return importlib.import_module(validation.engine_module_name(self.engine)).build(cfg, model, info)
 
 
 def profile_rank(engine: str, cfg: RunConfig, out_dir: str, rows: int = 10) -> str:
@@ -54,7 +55,7 @@ def profile_rank(engine: str, cfg: RunConfig, out_dir: str, rows: int = 10) -> s
 
     if cfg.steps < 2:
         raise ValueError(f"steps={cfg.steps}: profile_rank needs 2 or more (the last is the one recorded)")
-    cuda = loop.rank_info().device.type == "cuda"
+    cuda = on_rank.rank_info().device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     path = os.path.join(out_dir, f"{engine}.json")
 
@@ -65,7 +66,7 @@ def profile_rank(engine: str, cfg: RunConfig, out_dir: str, rows: int = 10) -> s
     # step k of the profiler starts as timed step k - 1 does: record timed step cfg.steps - 1 alone
     when = schedule(wait=cfg.steps - 1, warmup=1, active=1, repeat=1)
     with profile(activities=activities, schedule=when, on_trace_ready=write) as prof:
-        loop.train_rank(Profiled(engine, prof), cfg)
+        on_rank.train_rank(Profiled(engine, prof), cfg)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=rows)
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/traces")
     args = parser.parse_args(argv)
     engines = args.engines.split(",")
-    unknown = [e for e in engines if e not in loop.available_engines() or e == "single"]
+    unknown = [e for e in engines if e not in REGISTERED or REGISTERED[e].single_rank]
     if unknown or args.steps < 2:
         why = (
             f"--engines {unknown[0]!r} is not a sharded engine here"

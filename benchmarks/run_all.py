@@ -31,7 +31,8 @@ import labkit
 from labkit import budget
 from labkit.engines import fsdp1, fsdp2, scratch
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import available_engines, rank_info, run, run_many, timed_step
+from labkit.engines.loop import run, run_many
+from labkit.engines.on_rank import rank_info, timed_step
 from labkit.model import batch, build_model, count_params
 from labkit.probes import Probes, exposed_comm_s
 from labkit.tables import median_step_s, wire_bytes
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results.md")
     args = parser.parse_args(argv)
     reps, steps = (2, 4) if args.quick else (3, 6)
-    engines = [e for e in ("scratch", "fsdp2", "deepspeed", "ddp") if e in available_engines()]
+    engines = ["scratch", "fsdp2", "deepspeed", "ddp"]
     lines = [
         f"# Benchmarks ({time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}, CPU gloo)",

@@ -110,7 +110,7 @@ def _train_steps_s(
     """(seconds of each timed training step of `single`'s step on this rank's batch slice, seconds of each
     spent waiting in barriers); `synced`: with a barrier after each block's forward and each block's backward
     (`synced_waits`), none otherwise (its waits are 0)."""
-    from labkit.engines.loop import timed_step
+    from labkit.engines.on_rank import timed_step
     from labkit.engines.single import SingleEngine
 
     cfg = RunConfig(model=model_name)

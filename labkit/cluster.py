@@ -134,7 +134,7 @@ class _RankPickler(cloudpickle.CloudPickler):
             raise ValueError(
                 f"the function or its arguments hold a tensor on {obj.device} (shape {tuple(obj.shape)}): every "
                 "rank would load it onto that same device; pass it on the CPU and move it inside the function "
-                "with .to(labkit.engines.loop.rank_info().device)"
+                "with .to(labkit.engines.on_rank.rank_info().device)"
             )
         return super().reducer_override(obj)
 

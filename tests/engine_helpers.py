@@ -1,6 +1,6 @@
 """Shared by the engine tests: the single-process AdamW oracle, the per-rank loop (labkit's own), a comparison.
 
-The oracle runs in the test process, on one intra-op thread as every rank does (`loop.train_rank`): on a
+The oracle runs in the test process, on one intra-op thread as every rank does (`on_rank.train_rank`): on a
 busy 2-core machine torch's two threads spin against the ranks and the neighbours (measured: tiny's 10 steps
 in 12-21 s on two threads, under 1.3 s on one), and each configuration is trained once per session.
 """

@@ -3,7 +3,7 @@ loading DeepSpeed's ops in each, costs seconds).
 
 `launch_jobs(n, jobs)` runs every job (a function and its arguments) on each of `n` ranks, in order, with a
 barrier after each, and returns {job name: its result}: rank 0's, every rank's (`per_rank`), or, for a
-`train(engine, cfg)` job, the record `loop.run` returns (`loop.train_rank` on every rank, merged). A job sees
+`train(engine, cfg)` job, the record `loop.run` returns (`on_rank.train_rank` on every rank, merged). A job sees
 what the jobs before it left in its ranks, as the runs of `loop.run_many` do: DeepSpeed and FSDP1 leave their
 model alive (a later run's memory figures are relative to it), and a DeepSpeed hpZ run goes last.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 import labkit
-from labkit.engines import loop
+from labkit.engines import loop, on_rank, validation
 from labkit.engines.base import RunConfig
 
 TIMEOUT_S = 600.0  # several jobs, and a cold cache of DeepSpeed's CPU ops (~3 min) under the first
@@ -42,7 +42,7 @@ def job(fn: Callable[..., Any], *args: Any, per_rank: bool = False, **kwargs: An
 
 def train(engine: str, cfg: RunConfig) -> Job:
     """`engine` trained under `cfg` by the loop's `train_rank`; its result: the record `loop.run` returns."""
-    return Job(loop.train_rank, (engine, cfg), steps=cfg.steps)
+    return Job(on_rank.train_rank, (engine, cfg), steps=cfg.steps)
 
 
 def _run_jobs(jobs: list[Job]) -> list[Any]:
@@ -59,7 +59,7 @@ def launch_jobs(n: int, jobs: dict[str, Job], timeout_s: float = TIMEOUT_S) -> d
     parent, as `loop.run` validates it)."""
     for j in jobs.values():
         if j.steps is not None:
-            loop.validate([j.args[0]], j.args[1])
+            validation.validate([j.args[0]], j.args[1])
     per_rank = labkit.launch(_run_jobs, n, list(jobs.values()), timeout=timeout_s)
     out = {}
     for i, (name, j) in enumerate(jobs.items()):

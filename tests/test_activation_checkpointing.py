@@ -13,7 +13,7 @@ from engine_helpers import assert_close, reference_losses
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from labkit import budget
-from labkit.engines import fsdp2, loop, scratch, single
+from labkit.engines import fsdp2, loop, scratch, single, validation
 from labkit.engines.activation_checkpointing import OPTION
 from labkit.engines.base import RankInfo, RunConfig
 from labkit.engines.ds_config import ACTIVATION_CHECKPOINTING_REFUSAL, ds_config
@@ -93,5 +93,5 @@ def test_deepspeed_refuses_checkpointing_in_one_sentence_and_fsdp1_does_not_igno
     assert message == ACTIVATION_CHECKPOINTING_REFUSAL and "\n" not in message
     assert "deepspeed.checkpointing.checkpoint" in message and "scratch or fsdp2" in message
     with pytest.raises(ValueError, match="activation_checkpointing"):
-        loop.validate(["fsdp1"], cfg)
-    loop.validate(["single", "ddp", "scratch", "fsdp2"], cfg)  # the engines that take it
+        validation.validate(["fsdp1"], cfg)
+    validation.validate(["single", "ddp", "scratch", "fsdp2"], cfg)  # the engines that take it

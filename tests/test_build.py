@@ -18,7 +18,7 @@ import labkit
 from labkit.buildalong import Learner, Pieces, attach, checks
 from labkit.buildalong.cells import build_cells, pieces_from_notebook
 from labkit.buildalong.stubs import NotWritten, write_this_piece
-from labkit.engines import loop
+from labkit.engines import on_rank, validation
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
 from labkit.model import batch, build_model
@@ -36,7 +36,7 @@ def _train_both(pieces: Pieces, steps: int = 3) -> dict:
     """On this rank: the learner's engine and `single` (global batch) for `steps` steps; both loss lists,
     one step's trace and the units' layout."""
     cfg = RunConfig(model=MODEL, world_size=dist.get_world_size(), steps=steps)
-    info = loop.rank_info()
+    info = on_rank.rank_info()
     eng = Learner(pieces).build(cfg, build_model(MODEL), info)
     oracle = SingleEngine(build_model(MODEL), cfg, info.device)
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -44,10 +44,10 @@ def _train_both(pieces: Pieces, steps: int = 3) -> dict:
     for step in range(steps):
         if step == steps - 1:
             eng.trace.clear()
-        loss, _ = loop.timed_step(eng, step, batch(step, MODEL, 0, n, rank))
+        loss, _ = on_rank.timed_step(eng, step, batch(step, MODEL, 0, n, rank))
         dist.all_reduce(loss)
         losses.append(loss.item() / n)
-        single.append(loop.timed_step(oracle, step, batch(step, MODEL, 0, 1, 0))[0].item())
+        single.append(on_rank.timed_step(oracle, step, batch(step, MODEL, 0, 1, 0))[0].item())
     units = [
         (u.name, u.d0, [tuple(s.shape) for s in u.shards], u.prev and u.prev.name, u.next and u.next.name)
         for u in eng.units
@@ -118,9 +118,9 @@ def test_moments_fire_in_order(reference_runs):
 def test_attach_needs_shard_and_the_loop_takes_a_learner_object():
     with pytest.raises(ValueError, match="write shard"):
         attach(build_model(MODEL), Pieces())
-    loop.validate([Learner(PIECES)], RunConfig(model=MODEL, world_size=3))
+    validation.validate([Learner(PIECES)], RunConfig(model=MODEL, world_size=3))
     with pytest.raises(ValueError, match="build"):
-        loop.validate([object()], RunConfig(model=MODEL, world_size=3))
+        validation.validate([object()], RunConfig(model=MODEL, world_size=3))
 
 
 # ------------------------------------------------------------------------------------------------ checks

@@ -22,7 +22,7 @@ from launches import job, launched_on_demand, train
 
 from labkit.budget import collective_wire_bytes, deepspeed_zero_estimate
 from labkit.engines import deepspeed as dse
-from labkit.engines import loop
+from labkit.engines import on_rank, validation
 from labkit.engines.base import RunConfig
 from labkit.engines.ds_config import (
     block_numel,
@@ -51,7 +51,7 @@ def _variants(cases: list[tuple[str, RunConfig]]) -> dict:
     """
     out = {}
     n_params = count_params(build_model())
-    info = loop.rank_info()
+    info = on_rank.rank_info()
     probes = Probes(info.rank, info.device)
     for name, cfg in cases:
         logged = cfg.options.get("comms_logger")
@@ -63,7 +63,7 @@ def _variants(cases: list[tuple[str, RunConfig]]) -> dict:
             out[name] = {"error": str(e)}
             continue
         if per_step is None:
-            out[name] = {"losses": loop.train_steps(engine, cfg)}
+            out[name] = {"losses": on_rank.train_steps(engine, cfg)}
         else:
             out[name] = {"losses": [s["loss"] for s in per_step], "per_step": per_step}
         out[name]["state"] = dse.itemise_state_bytes(engine, n_params)
@@ -86,7 +86,7 @@ def _train_beside_comms_logger(engine, cfg: RunConfig, probes: Probes) -> list[d
     out = []
     for step in range(cfg.steps):
         before = _logged_sizes()
-        [loss] = loop.train_steps(engine, replace(cfg, steps=1), first_step=step, probes=probes)
+        [loss] = on_rank.train_steps(engine, replace(cfg, steps=1), first_step=step, probes=probes)
         logged = {op: sizes - before.get(op, Counter()) for op, sizes in _logged_sizes().items()}
         probed: dict[str, Counter] = {}
         for call in probes.comm.calls:
@@ -320,7 +320,7 @@ from labkit.engines.base import RunConfig
 from labkit.model import build_model
 
 def fn(cfg):
-    return loop.train_steps(dse.build(cfg, build_model(), loop.rank_info()), cfg)
+    return on_rank.train_steps(dse.build(cfg, build_model(), on_rank.rank_info()), cfg)
 
 losses = labkit.launch(fn, 2, RunConfig(world_size=2, steps=3))
 if os.environ["RANK"] == "0":
@@ -351,8 +351,8 @@ def test_deepspeed_runs_under_the_deepspeed_launcher(launcher_stdout):
 
 
 def _nvme_rank(cfg: RunConfig) -> dict:
-    engine = dse.build(cfg, build_model(cfg.model, cfg.seed), loop.rank_info())
-    losses = loop.train_steps(engine, cfg)
+    engine = dse.build(cfg, build_model(cfg.model, cfg.seed), on_rank.rank_info())
+    losses = on_rank.train_steps(engine, cfg)
     rows = {(r["state"], r["what"]): r["bytes"] for r in dse.itemise_state_bytes(engine, 1)}
     files = engine.swap_file_bytes()
     return {"losses": losses, "rows": rows, "files": files, "swap_dir": engine.swap_dir}
@@ -411,8 +411,8 @@ def test_nvme_config_and_its_refusals():
         and ds_config(RunConfig(model="small", offload="nvme"), 2)["aio"]["block_size"] == 4 * 2**20
     )
     with pytest.raises(ValueError, match="only the deepspeed engine swaps to files"):
-        loop.validate(["single", "fsdp2"], RunConfig(offload="nvme"))
-    loop.validate(["single", "deepspeed"], RunConfig(offload="nvme"))
+        validation.validate(["single", "fsdp2"], RunConfig(offload="nvme"))
+    validation.validate(["single", "deepspeed"], RunConfig(offload="nvme"))
 
 
 def test_quantized_gradients_under_the_deepspeed_launcher_on_cpu_change_nothing_the_probes_see(

@@ -10,9 +10,9 @@ from pathlib import Path
 import labkit
 from labkit import budget
 from labkit.engines import ENGINES
-from labkit.engines.loop import engine_options
 from labkit.engines.registry import ORACLE
 from labkit.engines.run_config import SETTINGS
+from labkit.engines.validation import engine_options
 
 
 def test_every_row_names_a_module_a_strategy_and_known_settings():

@@ -17,7 +17,7 @@ from fsdp1_checks import assert_measured_is_planned, assert_prefetch
 import labkit
 from labkit import cli
 from labkit.budget import padded_flat_numel
-from labkit.engines import fsdp1, loop
+from labkit.engines import ENGINES, fsdp1, loop, on_rank, validation
 from labkit.engines.base import RankInfo, RunConfig
 from labkit.lessons import engine_inspect
 from labkit.model import build_model, count_params
@@ -31,7 +31,7 @@ def _runs_then_layout(runs: list[tuple[str, RunConfig]], layout_cfg: RunConfig) 
     """Rank side: `train_rank` for each run (a barrier after each), then `inspect_flat(layout_cfg)`."""
     records = []
     for engine, cfg in runs:
-        records.append(loop.train_rank(engine, cfg))
+        records.append(on_rank.train_rank(engine, cfg))
         dist.barrier()
     return records, engine_inspect.inspect_flat(layout_cfg)
 
@@ -147,10 +147,10 @@ def test_fsdp1_hybrid_shard_matches_single_and_its_plan():
     ],
 )
 def test_fsdp1_refuses_what_it_cannot_honour(change, message):
-    # In the parent before any rank starts (loop.validate), in the plan, and in a rank's build.
+    # In the parent before any rank starts (validation.validate), in the plan, and in a rank's build.
     cfg = replace(RunConfig(world_size=4), **change)
     with pytest.raises(ValueError, match=message):
-        loop.validate(["single", "fsdp1"], cfg)
+        validation.validate(["single", "fsdp1"], cfg)
     with pytest.raises(ValueError, match=message):
         fsdp1.predicted_wire_bytes(build_model(cfg.model), cfg, 4)
     with pytest.raises(ValueError, match=message):
@@ -159,10 +159,10 @@ def test_fsdp1_refuses_what_it_cannot_honour(change, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="FSDP1's CPUOffload runs on CUDA ranks")
 def test_fsdp1_is_a_compare_engine_and_refuses_host_offload_on_cpu_ranks_in_one_line(capsys):
-    assert "fsdp1" in loop.available_engines()
-    loop.validate(["single", "fsdp1"], RunConfig(world_size=4))
+    assert "fsdp1" in ENGINES
+    validation.validate(["single", "fsdp1"], RunConfig(world_size=4))
     with pytest.raises(ValueError, match="CPUOffload needs an accelerator"):
-        loop.validate(["fsdp1"], RunConfig(offload="cpu"))
+        validation.validate(["fsdp1"], RunConfig(offload="cpu"))
     with pytest.raises(ValueError, match="CPUOffload needs an accelerator"):
         fsdp1.wrap_kwargs(RunConfig(offload="cpu"), RankInfo(0, 2, 0, torch.device("cpu"), "gloo"))
     # The CLI contract: one line on stderr naming the setting, exit status 2, before any rank starts.

@@ -20,7 +20,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
 from labkit.budget import padded_numel
-from labkit.engines import fsdp2, loop
+from labkit.engines import fsdp2, on_rank
 from labkit.engines.base import RunConfig
 from labkit.lessons import fsdp2_features
 from labkit.model import build_model, count_params
@@ -33,9 +33,9 @@ def _variants(cases: list[tuple[str, RunConfig]]) -> dict:
     """Rank side: build and train each case on fresh weights; losses, placements and local state bytes."""
     out = {}
     for name, cfg in cases:
-        engine = fsdp2.build(cfg, build_model(cfg.model, cfg.seed), loop.rank_info())
+        engine = fsdp2.build(cfg, build_model(cfg.model, cfg.seed), on_rank.rank_info())
         placements = set(fsdp2.placements(engine.model).values())
-        losses = loop.train_steps(engine, cfg)
+        losses = on_rank.train_steps(engine, cfg)
         state = {k: sum(t.numel() * t.element_size() for t in ts) for k, ts in engine.state_tensors().items()}
         prefetch = prefetch_lists(engine.model)
         out[name] = {"losses": losses, "placements": placements, "state": state, "prefetch": prefetch}
@@ -253,7 +253,7 @@ def _with_foreach_adamw(fn, *args, **kwargs):
 
 def _comm_debug_beside_probe(cfg: RunConfig) -> dict:
     """`CommDebugMode`'s counts of one step, and labkit's probe's record of the same step (tagged step 1)."""
-    info = loop.rank_info()
+    info = on_rank.rank_info()
     probes = Probes(info.rank, info.device)
     with probes:
         debug = fsdp2_features.comm_debug_counts(cfg, beside=lambda: probes.step(1))

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 import labkit
 from labkit import cluster, prebuild
-from labkit.engines import loop
+from labkit.engines import loop, on_rank
 from labkit.engines.base import RunConfig
 from labkit.placement import CPU_BACKEND, GPU_BACKEND, Placement, choose_placement
 from labkit.zero import ShardedAdamW
@@ -99,7 +99,7 @@ def test_backend_strings_name_each_devices_backend():
 
 
 def _info():
-    return loop.rank_info()
+    return on_rank.rank_info()
 
 
 def test_a_gloo_launch_reports_the_cpu_device_and_the_whole_backend_string():
@@ -165,7 +165,7 @@ class _BatchInputs(TorchFunctionMode):
 
 
 def _helpers_under_watch() -> dict[str, dict]:
-    """Each rank-side helper under a spy on `loop.to_rank_device`: how many models it placed, and whether
+    """Each rank-side helper under a spy on `on_rank.to_rank_device`: how many models it placed, and whether
     every tokens / targets tensor its model and loss saw came out of that one function."""
     import weakref
 
@@ -175,7 +175,7 @@ def _helpers_under_watch() -> dict[str, dict]:
 
     placed: dict[int, weakref.ref] = {}  # storage address -> the tensor the function returned
     models = [0]
-    original = loop.to_rank_device
+    original = on_rank.to_rank_device
 
     def spy(x, device=None):
         out = original(x, device)
@@ -185,7 +185,7 @@ def _helpers_under_watch() -> dict[str, dict]:
             placed[out.untyped_storage().data_ptr()] = weakref.ref(out)
         return out
 
-    loop.to_rank_device = spy
+    on_rank.to_rank_device = spy
     cfg = RunConfig(model="tiny", world_size=dist.get_world_size(), steps=2)
     helpers = {
         "engine_inspect.hook_trace": lambda: engine_inspect.hook_trace("tiny", steps=1),
@@ -206,7 +206,7 @@ def _helpers_under_watch() -> dict[str, dict]:
                 helper()
             out[name] = {"models": models[0], "seen": mode.seen}
     finally:
-        loop.to_rank_device = original
+        on_rank.to_rank_device = original
     return out
 
 
@@ -215,11 +215,11 @@ def test_every_rank_side_helper_places_its_model_and_every_batch_through_one_fun
     ignored parameters); on CPU the same rule is checked by where each tensor the model reads came from."""
     for rank in labkit.launch(_helpers_under_watch, 2, timeout=240):
         for name, facts in rank.items():
-            assert facts["models"] >= 1, f"{name} built its model without loop.to_rank_device"
+            assert facts["models"] >= 1, f"{name} built its model without on_rank.to_rank_device"
             kinds = {kind for kind, _ in facts["seen"]}
             assert kinds == {"tokens", "targets"}, (name, facts["seen"])
             strays = [kind for kind, mine in facts["seen"] if not mine]
-            assert not strays, f"{name} fed its model {strays} that loop.to_rank_device did not place"
+            assert not strays, f"{name} fed its model {strays} that on_rank.to_rank_device did not place"
 
 
 # --------------------------------------------------------------------------------------- host pinning
@@ -251,8 +251,8 @@ def _save(path: str) -> list[float]:
     from labkit.zero import checkpoint
 
     cfg = RunConfig(model="tiny", world_size=2, steps=1)
-    engine = scratch.build(cfg, loop.rank_model("tiny", 0, torch.device("cpu")), loop.rank_info())
-    loop.train_steps(engine, cfg)
+    engine = scratch.build(cfg, on_rank.rank_model("tiny", 0, torch.device("cpu")), on_rank.rank_info())
+    on_rank.train_steps(engine, cfg)
     checkpoint.save(path, engine.zero, engine.optimizer)
     return [s.sum().item() for s in engine.zero.shards()]
 
@@ -262,7 +262,7 @@ def _load(path: str) -> list[float]:
     from labkit.zero import checkpoint
 
     cfg = RunConfig(model="tiny", world_size=2, steps=1)
-    engine = scratch.build(cfg, loop.rank_model("tiny", 0, torch.device("cpu")), loop.rank_info())
+    engine = scratch.build(cfg, on_rank.rank_model("tiny", 0, torch.device("cpu")), on_rank.rank_info())
     checkpoint.load(path, engine.zero, engine.optimizer)
     return [s.sum().item() for s in engine.zero.shards()]
 

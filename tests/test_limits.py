@@ -12,7 +12,7 @@ import pytest
 import labkit
 from labkit import cluster, limits, placement
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import validate
+from labkit.engines.validation import validate
 
 GB = 10**9
 

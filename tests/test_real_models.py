@@ -11,7 +11,7 @@ frozen and tied model resharded 4 -> 3.
 The oracle is the `single` engine itself (`labkit.engines.single`: plain `torch.optim.AdamW` built by
 `labkit.engines.base.adamw`, gradients zeroed between steps) on the global batch; the sharded side is the
 `scratch` engine given the units. Both take the same seed, batches and step function
-(`labkit.engines.loop.timed_step`). One launch per world size trains every case twice (a race would show as
+(`labkit.engines.on_rank.timed_step`). One launch per world size trains every case twice (a race would show as
 a difference between the two runs) and feeds every test below.
 """
 
@@ -34,7 +34,7 @@ import labkit
 from labkit import budget
 from labkit.engines import scratch, single
 from labkit.engines.base import RankInfo, RunConfig
-from labkit.engines.loop import rank_info, timed_step
+from labkit.engines.on_rank import rank_info, timed_step
 from labkit.lessons.foreign import EncoderLM
 from labkit.probes import state_bytes
 from labkit.zero import checkpoint, instances_of

@@ -38,10 +38,6 @@ def test_prefetch_and_its_depth_are_one_setting_in_two_spellings():
         ({"betas": (1.0, 0.9)}, r"betas=\(1.0, 0.9\): pass a tuple of two numbers in \[0, 1\)"),
         ({"prefetch_depth": -1}, "prefetch_depth=-1: pass a whole number of units, 0 or more"),
         ({"reshard_after_forward": None}, "reshard_after_forward=None: pass True or False"),
-        (
-            {"options": {"prefetch_depth": 2}},
-            r"options\['prefetch_depth'\]=2: prefetch_depth is a setting of the run, .* pass prefetch_depth=2",
-        ),
     ],
 )
 def test_a_bad_setting_is_refused_when_built_in_one_sentence_naming_it(change, sentence):
@@ -74,3 +70,14 @@ def test_compare_names_the_flag_in_the_schemas_sentences(capsys):
         "labkit compare: --world-size 5 does not divide the global batch of 12 sequences of model 'tiny'; "
         "pass one of 1, 2, 3, 4, 6, 12"
     )
+
+
+def test_a_run_setting_put_in_options_is_refused_with_the_setting_to_pass():
+    """No flag accepted and ignored: a RunConfig setting put in `options`, where no engine of the run reads it,
+    is refused in the parent, and the sentence names the setting to pass instead."""
+    from labkit.engines.validation import validate
+
+    with pytest.raises(
+        ValueError, match=r"prefetch_depth is no engine's \(as an option; the run's own setting is "
+    ):
+        validate(["scratch"], RunConfig(options={"prefetch_depth": 2}))

@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 
 import labkit
 from labkit import plots
-from labkit.engines import loop
+from labkit.engines import on_rank, validation
 from labkit.engines.base import RunConfig
 from labkit.model import build_model
 from labkit.probes.timeline import (
@@ -157,7 +157,7 @@ def test_gantt_draws_units_cut_by_red_waits_and_comm_on_lanes_of_their_own():
 def _train_each(runs: list[tuple[str, RunConfig]]) -> list[dict]:
     out = []
     for engine, cfg in runs:
-        out.append(loop.train_rank(engine, cfg))
+        out.append(on_rank.train_rank(engine, cfg))
         dist.barrier()
     return out
 
@@ -167,7 +167,7 @@ def last_steps() -> dict[str, list[list[dict]]]:
     """{engine: [rank 0's, rank 1's events of the last step]}, 2 ranks, no prefetch (the gathers are waited
     for between the units: where the hooks' order shows)."""
     cfg = RunConfig(world_size=2, steps=2)  # no prefetch for the engines that have the setting
-    runs = [(e, replace(cfg, prefetch="prefetch" not in loop.engine_settings(e))) for e in ENGINES]
+    runs = [(e, replace(cfg, prefetch="prefetch" not in validation.engine_settings(e))) for e in ENGINES]
     per_rank = labkit.launch(_train_each, 2, runs, timeout=300)
     return {
         engine: [[e for e in r[i]["timeline"] if e["step"] == 1] for r in per_rank]

@@ -24,7 +24,8 @@ from labkit.cli import main
 from labkit.collectives import Patch
 from labkit.engines import scratch
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import rank_info, train_steps, validate
+from labkit.engines.on_rank import rank_info, train_steps
+from labkit.engines.validation import validate
 from labkit.model import batch, build_model, count_params, loss_fn
 from labkit.probes import state_bytes
 from labkit.zero import ShardedAdamW, ZeRO3, checkpoint

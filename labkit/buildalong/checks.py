@@ -24,7 +24,7 @@ import torch.distributed as dist
 import labkit
 from labkit.buildalong.scaffold import Learner, Pieces, attach
 from labkit.buildalong.verdicts import CheckResult, fix_first, launched, verdict
-from labkit.engines import loop
+from labkit.engines import on_rank
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
 from labkit.errors import error_text
@@ -172,7 +172,7 @@ def _rank_cases(cases, model: str, steps: int) -> list[dict]:
     raised). A case whose earlier cases failed for sure on some rank is skipped on every rank."""
     out: list[dict] = []
     failed: list[bool] = []
-    device = loop.rank_info().device
+    device = on_rank.rank_info().device
     for step, pieces, after in cases:
         if any(failed[j] for j in after):
             out.append({"skipped": True})
@@ -230,8 +230,8 @@ def _learner(where: str, fn: Callable, *args, trace: list | None = None):
 
 
 def _setup(model: str):
-    info = loop.rank_info()
-    return info, dist.get_rank(), dist.get_world_size(), loop.rank_model(model, 0, info.device)
+    info = on_rank.rank_info()
+    return info, dist.get_rank(), dist.get_world_size(), on_rank.rank_model(model, 0, info.device)
 
 
 def _rank_shard(pieces: Pieces, model: str, steps: int) -> dict:
@@ -301,8 +301,8 @@ def _held_bytes(unit) -> int:
 
 def _rank_forward(pieces: Pieces, model: str, steps: int) -> dict:
     info, rank, n, net = _setup(model)
-    oracle = loop.rank_model(model, 0, info.device)
-    tokens, targets = loop.rank_batch(0, model, 0, n, rank, info.device)
+    oracle = on_rank.rank_model(model, 0, info.device)
+    tokens, targets = on_rank.rank_batch(0, model, 0, n, rank, info.device)
     trace: list = []
     units = _learner("attach (your shard)", attach, net, pieces, None, trace)
     others_held: dict[str, dict[str, int]] = {}
@@ -352,7 +352,7 @@ def _rank_forward(pieces: Pieces, model: str, steps: int) -> dict:
 
 def _forward_backward(pieces: Pieces, model: str):
     info, rank, n, net = _setup(model)
-    tokens, targets = loop.rank_batch(0, model, 0, n, rank, info.device)
+    tokens, targets = on_rank.rank_batch(0, model, 0, n, rank, info.device)
     trace: list = []
     units = _learner("attach (your shard)", attach, net, pieces, None, trace)
     with Probes(rank, info.device) as probes, probes.step(0):
@@ -396,7 +396,7 @@ def _cpu_grads(named) -> dict[str, torch.Tensor | None]:
 
 
 def _rank_adamw(pieces: Pieces, model: str, steps: int) -> dict:
-    info = loop.rank_info()
+    info = on_rank.rank_info()
     rank, n = dist.get_rank(), dist.get_world_size()
     cfg = RunConfig(model=model, world_size=n, steps=steps)
     eng = _learner("attach and make_optimizer", Learner(pieces).build, cfg, build_model(model), info)
@@ -407,12 +407,12 @@ def _rank_adamw(pieces: Pieces, model: str, steps: int) -> dict:
     held = [t for g in getattr(opt, "param_groups", []) for t in g["params"]]
     losses, single = [], []
     for step in range(steps):
-        data = loop.rank_batch(step, model, 0, n, rank, info.device)
-        loss, _ = _learner(f"training step {step}", loop.timed_step, eng, step, data, trace=eng.trace)
+        data = on_rank.rank_batch(step, model, 0, n, rank, info.device)
+        loss, _ = _learner(f"training step {step}", on_rank.timed_step, eng, step, data, trace=eng.trace)
         dist.all_reduce(loss)
         losses.append(loss.item() / n)
-        data = loop.rank_batch(step, model, 0, 1, 0, info.device)
-        single.append(loop.timed_step(oracle, step, data)[0].item())
+        data = on_rank.rank_batch(step, model, 0, 1, 0, info.device)
+        single.append(on_rank.timed_step(oracle, step, data)[0].item())
     return {
         "optimizer": type(opt).__name__,
         "is_adamw": isinstance(opt, torch.optim.AdamW),

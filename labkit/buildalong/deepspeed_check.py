@@ -24,7 +24,7 @@ import torch.distributed as dist
 from labkit.buildalong.stubs import raised, unwritten
 from labkit.buildalong.verdicts import LOSS_RTOL, CheckResult, launched
 from labkit.engines import deepspeed as ds_engine
-from labkit.engines import loop
+from labkit.engines import on_rank
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
 from labkit.gradients import grads_mismatch, mean_hint, single_grads
@@ -214,7 +214,7 @@ def _clipping_mistake(config: dict) -> str | None:
 def _rank_cases(cases: list[tuple[list[dict], Callable]], model: str, steps: int) -> dict:
     """Rank side: each case at each of its configs (a fresh model each), then single's losses on rank 0."""
     torch.set_num_threads(1)  # one intra-op thread per rank, as the loop runs every engine
-    info = loop.rank_info()
+    info = on_rank.rank_info()
     step_ids = itertools.count()  # each step of each run its own tag in the probe
     # Installed before DeepSpeed's first start: its backend keeps the collective functions it finds then.
     with Probes(info.rank, info.device) as probes:
@@ -222,8 +222,8 @@ def _rank_cases(cases: list[tuple[list[dict], Callable]], model: str, steps: int
     single = None
     if info.rank == 0:
         oracle = SingleEngine(build_model(model), RunConfig(model=model, steps=steps), info.device)
-        data = [loop.rank_batch(step, model, 0, 1, 0, info.device) for step in range(steps)]
-        single = [loop.timed_step(oracle, step, d)[0].item() for step, d in enumerate(data)]
+        data = [on_rank.rank_batch(step, model, 0, 1, 0, info.device) for step in range(steps)]
+        single = [on_rank.timed_step(oracle, step, d)[0].item() for step, d in enumerate(data)]
     return {"cases": out, "oracle": single}
 
 
@@ -231,9 +231,9 @@ def _rank_run(
     config: dict, step_fn: Callable, model: str, steps: int, probes: Probes, step_ids: Iterator[int]
 ) -> dict:
     """Start DeepSpeed with the learner's config, read what it applied, train `steps` steps with their step."""
-    info = loop.rank_info()
+    info = on_rank.rank_info()
     try:
-        engine = ds_engine.initialize(loop.rank_model(model, 0, info.device), config).engine
+        engine = ds_engine.initialize(on_rank.rank_model(model, 0, info.device), config).engine
     except Exception as e:  # noqa: BLE001
         return _raised("deepspeed.initialize with your config", e)
     calls = _count_calls(engine, ("backward", "step"))
@@ -245,7 +245,7 @@ def _rank_run(
         "calls": calls,
     }
     for step in range(steps):
-        tokens, targets = loop.rank_batch(step, model, 0, info.world_size, info.rank, info.device)
+        tokens, targets = on_rank.rank_batch(step, model, 0, info.world_size, info.rank, info.device)
         with probes.step(last := next(step_ids)):
             try:
                 loss = step_fn(engine, tokens, targets)

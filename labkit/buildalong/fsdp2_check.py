@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from labkit.budget import padded_numel
 from labkit.buildalong.stubs import raised, unwritten
 from labkit.buildalong.verdicts import LOSS_RTOL, CheckResult, launched, names_of
-from labkit.engines import fsdp2, loop
+from labkit.engines import fsdp2, on_rank
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
 from labkit.gradients import grads_mismatch, mean_hint, single_grads
@@ -76,9 +76,9 @@ def _rank_cases(fns: list[Callable], model: str, steps: int) -> list[dict]:
 
 def _rank_case(fn: Callable, model: str, steps: int) -> dict:
     """Shard a fresh model with the learner's `fn`, read what FSDP2 made of it, train it under the probes."""
-    info = loop.rank_info()
+    info = on_rank.rank_info()
     mesh = fsdp2.device_mesh(info.device.type, info.world_size)
-    net = loop.rank_model(model, 0, info.device)
+    net = on_rank.rank_model(model, 0, info.device)
     try:
         fn(net, mesh, POLICY)
     except Exception as e:  # noqa: BLE001 - any mistake of theirs is reported, not raised
@@ -93,14 +93,14 @@ def _rank_case(fn: Callable, model: str, steps: int) -> dict:
     with Probes(info.rank, info.device) as probes:
         facts["gathers_before_block"] = _watch_gathers(net, probes, last_step=steps - 1)
         try:
-            facts["losses"] = loop.train_steps(engine, cfg, probes=probes)
+            facts["losses"] = on_rank.train_steps(engine, cfg, probes=probes)
         except Exception as e:  # noqa: BLE001
             return facts | {"training": raised("training your sharded model", e)}
     facts["comm"] = {k: row["wire_bytes"] for k, row in probes.comm.summary(steps - 1).items()}
     if info.rank == 0:
         oracle = SingleEngine(build_model(model), cfg, info.device)
-        data = [loop.rank_batch(step, model, 0, 1, 0, info.device) for step in range(steps)]
-        facts["oracle"] = [loop.timed_step(oracle, step, d)[0].item() for step, d in enumerate(data)]
+        data = [on_rank.rank_batch(step, model, 0, 1, 0, info.device) for step in range(steps)]
+        facts["oracle"] = [on_rank.timed_step(oracle, step, d)[0].item() for step, d in enumerate(data)]
     return facts
 
 
@@ -108,7 +108,7 @@ def _first_gradients(engine, net: torch.nn.Module, cfg: RunConfig, info) -> dict
     """Rank 0's view of every parameter's whole gradient after step 0's forward and backward, before any
     optimizer step (a DTensor's shards gathered; a plain tensor's own, unreduced); the gradients then dropped,
     so training starts from none. None on the other ranks."""
-    tokens, targets = loop.rank_batch(0, cfg.model, cfg.seed, info.world_size, info.rank, info.device)
+    tokens, targets = on_rank.rank_batch(0, cfg.model, cfg.seed, info.world_size, info.rank, info.device)
     engine.backward(engine.forward_loss(tokens, targets))
     grads = {}
     for name, p in net.named_parameters():

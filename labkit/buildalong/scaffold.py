@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.engines.base import RankInfo, RunConfig, adamw
-from labkit.engines.loop import to_rank_device
+from labkit.engines.on_rank import to_rank_device
 from labkit.model import loss_fn
 from labkit.zero.hooks import model_units
 from labkit.zero.outputs import needing_grad

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from labkit.cli import UsageError
 from labkit.cli.paths import writable_file
-from labkit.engines import ENGINES
+from labkit.engines import ENGINES, validation
 from labkit.engines.registry import DDP, ORACLE
 from labkit.engines.run_config import DEFAULTS, SETTINGS, RunConfig, Setting
 
@@ -177,7 +177,7 @@ def _group_size(flag: str, value: int | None, world_size: int) -> int | None:
 def _refuse_what_one_process_ignores(args: argparse.Namespace, cfg, launched: int | None) -> None:
     """With only single-rank engines (the oracle: one process, the global batch), a flag that sets how ranks
     share the work would be ignored: refuse it, naming it."""
-    from labkit.engines.loop import ENGINE_SETTINGS, changed_settings
+    from labkit.engines.validation import ENGINE_SETTINGS, changed_settings
 
     if not all(ENGINES[e].single_rank for e in args.engines):
         return
@@ -197,7 +197,7 @@ def _predicted(engines: list[str], cfg, machine: dict) -> dict[str, float]:
     """Each engine's calibrated step (s) on the profiled machine, before any rank starts: a profile that cannot
     price this run is refused at once, not after it."""
     from labkit.calibrate import predicted_step_s
-    from labkit.engines.loop import options_for
+    from labkit.engines.validation import options_for
 
     try:
         return {name: predicted_step_s(name, options_for(name, cfg), machine) for name in engines}
@@ -255,12 +255,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"labkit compare: --world-size {cfg.world_size} but {why}; pass --world-size <= {limit}"
         )
-    missing = [e for e in args.engines if e not in loop.available_engines()]
-    if missing:
-        raise UsageError(
-            f"labkit compare: --engines {missing[0]!r} is not implemented yet "
-            f"(no labkit/engines/{missing[0]}.py); available: {','.join(loop.available_engines())}"
-        )
     options = {}
     shard = _group_size("--hsdp", args.hsdp, cfg.world_size)
     if shard is not None:
@@ -270,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         options["zero_hpz_partition_size"] = hpz
     cfg = replace(cfg, options=options)
     try:
-        loop.validate(args.engines, cfg)  # what these engines make of the settings: said with the flags
+        validation.validate(args.engines, cfg)  # what these engines make of the settings: said with the flags
     except ValueError as e:
         raise UsageError(f"labkit compare: {_flagged(e)}") from None
     predicted = None if machine is None else _predicted(args.engines, cfg, machine)

@@ -111,7 +111,7 @@ def check(cfg: RunConfig, world_size: int, device_type: str | None = None) -> in
 
 
 def check_run(cfg: RunConfig) -> None:
-    """`check` in the parent before any rank starts (`loop.validate` calls it), for the ranks' device."""
+    """`check` in the parent before any rank starts (`validation.validate` calls it), for the ranks' device."""
     if cluster.launcher_world_size() is not None:  # under torchrun the ranks take CUDA when there is one
         cuda = torch.cuda.is_available()
     else:

@@ -198,13 +198,6 @@ def _check_switch(name: str, value: Any, s: Setting) -> None:
 def _check_options(name: str, value: Any, s: Setting) -> None:
     if not isinstance(value, dict):
         raise ValueError(f"{name}={value!r}: pass a dict of engine-specific settings")
-    settings = sorted(set(value) & set(SETTINGS))
-    if settings:
-        key = settings[0]
-        raise ValueError(
-            f"options[{key!r}]={value[key]!r}: {key} is a setting of the run, not an engine's option; pass "
-            f"{key}={value[key]!r}"
-        )
 
 
 _CHECKS = {

@@ -3,7 +3,7 @@ by the lab's loop. The grade gives them a model the notebook never shows (`check
 from the seed); the public `check()` of the student release gives them the notebook's own (`tiny`, seed 0).
 
 The probe plugs the answers into the build-along's scaffold (`labkit.buildalong.Pieces`, `Learner`) and trains
-them with `labkit.engines.loop.train_rank`, under the lab's probes. It returns what the probes measured (each
+them with `labkit.engines.on_rank.train_rank`, under the lab's probes. It returns what the probes measured (each
 rank's losses, bytes per collective, state bytes, the order of its all-gathers and block computes) and each
 rank's gradient shards after the first backward. The judges compute every reference themselves: `single`
 trained in this process (losses, gradients), the ring formula and fp32 byte table of `labkit.budget` over the
@@ -159,12 +159,12 @@ def _rank(pieces, run: Run, own: dict[str, Any], crashes: str) -> dict:
     """On each rank: train the student's pieces with the lab's loop and keep what the judges need. A piece of
     `own` (the student's, by name) that raises is written to the folder `crashes` (`_note_crash`)."""
     from labkit.buildalong.scaffold import Learner
-    from labkit.engines import loop
+    from labkit.engines import on_rank
 
     recorder = _FirstGrads(pieces.after_grad)
     watch = Watch(dataclasses.replace(pieces, after_grad=recorder))
     try:
-        out = loop.train_rank(Learner(watch.wrapped()), run.config())
+        out = on_rank.train_rank(Learner(watch.wrapped()), run.config())
     except Exception as e:
         _note_crash(crashes, own, e)
         raise

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from labkit.engines import deepspeed as ds_engine
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import rank_info, rank_model, train_steps
+from labkit.engines.on_rank import rank_info, rank_model, train_steps
 from labkit.model import build_model, count_params
 from labkit.names import ALL_GATHER, REDUCE_SCATTER
 from labkit.probes import Probes, state_bytes

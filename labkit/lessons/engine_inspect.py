@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from labkit.engines import fsdp1
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import rank_batch, rank_info, rank_model
+from labkit.engines.on_rank import rank_batch, rank_info, rank_model
 from labkit.model import build_model, loss_fn
 from labkit.zero import ShardedAdamW, ZeRO3
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from labkit.engines import scratch, single
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import rank_info, timed_step, to_rank_device
+from labkit.engines.on_rank import rank_info, timed_step, to_rank_device
 from labkit.probes import Probes, state_bytes
 from labkit.zero import instances_of
 

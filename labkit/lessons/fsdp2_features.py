@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from labkit.engines import fsdp2
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import rank_batch, rank_info, rank_model, train_steps
+from labkit.engines.on_rank import rank_batch, rank_info, rank_model, train_steps
 from labkit.probes import Probes
 
 

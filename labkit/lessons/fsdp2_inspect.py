@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from labkit.engines import fsdp2
 from labkit.engines.base import RunConfig, adamw
-from labkit.engines.loop import rank_batch, rank_info, rank_model, train_steps
+from labkit.engines.on_rank import rank_batch, rank_info, rank_model, train_steps
 from labkit.lessons.fsdp2_features import build_engine, shard_mesh
 from labkit.model import loss_fn
 from labkit.names import ALL_GATHER

@@ -64,7 +64,7 @@ def matched_runs(cfg: RunConfig) -> dict[str, tuple[Any, RunConfig]]:
     switch, and which on gloo issues the same blocking gather a little earlier).
     """
     cfg = replace(cfg, prefetch=False)
-    # DeepSpeed reads no prefetch setting (loop.check_settings would refuse it): its knobs are what stop it.
+    # DeepSpeed reads no prefetch setting (validation.check_settings would refuse it): its knobs are what stop it.
     ds_cfg = replace(cfg, prefetch=True, options={**cfg.options, **matched_to_fsdp2(cfg.model)})
     return {
         FSDP2_BLOCKS: (FSDP2, cfg),

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from labkit.collectives import COLLECTIVES, COUNTED, Patch
 from labkit.engines import fsdp2
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import rank_batch, rank_info, train_steps
+from labkit.engines.on_rank import rank_batch, rank_info, train_steps
 from labkit.engines.single import SingleEngine
 from labkit.lessons.fsdp2_features import build_engine, full_state, shard_mesh
 from labkit.model import GPT, batch, build_model, config, count_params, initial_value

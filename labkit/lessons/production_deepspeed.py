@@ -15,7 +15,7 @@ import torch
 from labkit.engines import deepspeed as deepspeed_engine
 from labkit.engines.base import RunConfig, adamw
 from labkit.engines.ds_config import ds_config
-from labkit.engines.loop import rank_info, rank_model, train_steps
+from labkit.engines.on_rank import rank_info, rank_model, train_steps
 from labkit.lessons.production import global_mean, micro_batches, phase_comm
 from labkit.model import config as model_config
 from labkit.probes import Probes

@@ -30,7 +30,7 @@ import labkit
 from labkit.budget import closed_form_critical_tokens
 from labkit.engines import scratch
 from labkit.engines.base import RunConfig
-from labkit.engines.loop import train_rank
+from labkit.engines.on_rank import train_rank
 from labkit.engines.registry import SCRATCH
 from labkit.measured import ADVICE, Measured, compare, interleaved
 from labkit.model import build_model, config, count_params, with_batch
