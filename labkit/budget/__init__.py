@@ -26,7 +26,6 @@ from .inputs import (
     PRECISIONS,
     STRATEGIES,
     Input,
-    InputSpec,
     PlanInputs,
 )
 from .machine import (
@@ -89,7 +88,6 @@ __all__ = [
     "largest_useful_world_size",
     # the inputs
     "PlanInputs",
-    "InputSpec",
     "Input",
     "INPUTS",
     "DEFAULTS",

@@ -5,11 +5,11 @@ The CLI flags and the calculator's controls are made from `INPUTS`; a bad input 
 
 from __future__ import annotations
 
-import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from functools import cached_property
 from typing import NamedTuple
 
+from labkit.fields import REQUIRED, Spec, check, setting, spec_of
 from labkit.names import DATA_PARALLEL, HSDP, NVME, OFFLOAD_TARGETS, STRATEGIES, WEIGHTS_SHARDED, ZERO2, ZERO3
 
 MEMORY_TERMS = ("weights", "grads", "master", "adam_m", "adam_v")
@@ -28,46 +28,21 @@ PRECISIONS: dict[str, dict[str, float]] = {
 }
 
 
-class InputSpec(NamedTuple):
-    """How one input of `plan()` is checked, and what the CLI and the calculator say about it.
-
-    kind: "count" (a whole number, at least `low`; a `rounded` one takes a float such as 1.5e9 / 7),
-    "number" (more than 0, at most `upper`), "choice" (one of `choices`) or "switch" (on or off). A count
-    whose default is None may be None. `example` is what an error message suggests. `assumption` marks an
-    input the step time rests on (printed with every plan and listed by `labkit budget --help`); `flag` is
-    the CLI's name for it when not `--` + the name with dashes.
-    """
-
-    kind: str
-    unit: str
-    help: str
-    example: str = ""
-    choices: tuple[str, ...] = ()
-    upper: float | None = None
-    low: int = 1
-    rounded: bool = False
-    assumption: bool = False
-    flag: str = ""
+def _count(default, unit: str, help: str, example: str = "", low: int = 1, **spec):
+    return setting(default, "count", help, unit=unit, example=example or f"{default}", low=low, **spec)
 
 
-_REQUIRED = MISSING
-
-
-def _count(default, unit: str, help: str, example: str = "", **spec):
-    example = example or f"{default}"
-    return field(default=default, metadata={"spec": InputSpec("count", unit, help, example, **spec)})
-
-
-def _number(default: float, unit: str, help: str, **spec):
-    return field(default=default, metadata={"spec": InputSpec("number", unit, help, f"{default:g}", **spec)})
+def _number(default: float, unit: str, help: str, upper: float | None = None, **spec):
+    """An input above 0 (at most `upper`)."""
+    return setting(default, "rate", help, unit=unit, example=f"{default:g}", high=upper, **spec)
 
 
 def _choice(default: str, choices: tuple[str, ...], help: str):
-    return field(default=default, metadata={"spec": InputSpec("choice", "", help, choices=choices)})
+    return setting(default, "choice", help, choices=choices)
 
 
 def _switch(default: bool, help: str):
-    return field(default=default, metadata={"spec": InputSpec("switch", "", help)})
+    return setting(default, "switch", help)
 
 
 # CPU Adam's updates per second on one rank, measured (benchmarks/results.md, "CPU Adam throughput"):
@@ -87,8 +62,8 @@ class PlanInputs:
     flags and the calculator's controls are made from these fields (`INPUTS`).
     """
 
-    params: int = _count(_REQUIRED, "parameters", "size of the model", "30e9", rounded=True)
-    world_size: int = _count(_REQUIRED, "ranks", "data-parallel ranks", "256")
+    params: int = _count(REQUIRED, "parameters", "size of the model", "30e9", rounded=True)
+    world_size: int = _count(REQUIRED, "ranks", "data-parallel ranks", "256")
     strategy: str = _choice(
         ZERO3,
         STRATEGIES,
@@ -183,12 +158,9 @@ class PlanInputs:
 
     def __post_init__(self) -> None:
         values = self.__dict__  # frozen: the checked values are stored past __setattr__, as __init__ does
-        for name, check, spec, default, checked_default in _CHECKS:
+        for name, spec, default, checked_default in _CHECKS:
             value = values[name]
-            if value is default:  # checked once, at import (None: not given)
-                values[name] = checked_default
-            else:
-                values[name] = check(name, value, spec)
+            values[name] = checked_default if value is default else check(name, value, spec)
         self._check_combination()
 
     @cached_property
@@ -259,73 +231,29 @@ class PlanInputs:
             )
 
 
-def _check_count(name: str, value, spec: InputSpec) -> int:
-    if spec.rounded and isinstance(value, float) and 1 <= value < math.inf:
-        value = round(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not spec.low <= value < math.inf:
-        what = "a positive whole number" if spec.low else "a whole number, 0 or more"
-        raise ValueError(f"{name} must be {what} (for example {spec.example}); got {value!r}.")
-    if int(value) != value:
-        raise ValueError(f"{name} must be a whole number (for example {spec.example}); got {value!r}.")
-    return int(value)
-
-
-def _check_number(name: str, value, spec: InputSpec) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value <= 0:
-        raise ValueError(f"{name} must be a positive number (for example {spec.example}); got {value!r}.")
-    if spec.upper is not None and value > spec.upper:
-        raise ValueError(
-            f"{name} must be at most {spec.upper:g} (for example {spec.example}); got {value!r}."
-        )
-    return float(value)
-
-
-def _check_choice(name: str, value, spec: InputSpec) -> str:
-    if value not in spec.choices:
-        raise ValueError(f"{name} {value!r} is not known; use one of {', '.join(spec.choices)}.")
-    return value
-
-
-def _check_switch(name: str, value, spec: InputSpec) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False; got {value!r}.")
-    return value
-
-
-_CHECK_OF_KIND = {
-    "count": _check_count,
-    "number": _check_number,
-    "choice": _check_choice,
-    "switch": _check_switch,
-}
-
-
 class Input(NamedTuple):
     """One field of `PlanInputs`, for the faces that are made from it (CLI flags, calculator controls)."""
 
     name: str
     default: object  # None where `required`
     required: bool
-    spec: InputSpec
+    spec: Spec
 
 
 INPUTS = tuple(
-    Input(f.name, None if f.default is MISSING else f.default, f.default is MISSING, f.metadata["spec"])
+    Input(f.name, None if f.default is MISSING else f.default, f.default is MISSING, spec_of(f))
     for f in fields(PlanInputs)
 )
 DEFAULTS = {i.name: i.default for i in INPUTS if not i.required}
 
 
 def _field_checks() -> tuple:
-    """(name, check, spec, default, the default checked) per field: a default is checked once, here."""
+    """(name, spec, default, the default checked) per field: a default is checked once, here."""
     out = []
     for f in fields(PlanInputs):
-        spec = f.metadata["spec"]
-        check = _CHECK_OF_KIND[spec.kind]
+        spec = spec_of(f)
         unchecked = f.default is MISSING or f.default is None
-        out.append(
-            (f.name, check, spec, f.default, f.default if unchecked else check(f.name, f.default, spec))
-        )
+        out.append((f.name, spec, f.default, f.default if unchecked else check(f.name, f.default, spec)))
     return tuple(out)
 
 

@@ -30,7 +30,7 @@ def _unit_value(value: float, unit: str) -> str:
 
 
 def assumption_rows(result: dict) -> list[tuple[str, str, str]]:
-    """The inputs the step time rests on (`InputSpec.assumption`), each with its unit."""
+    """The inputs the step time rests on (`labkit.fields.Spec.assumption`), each with its unit."""
     specs = {i.name: i.spec for i in INPUTS}
     return [
         ("assumptions", specs[name].help.split(";")[0], _unit_value(value, specs[name].unit))

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 
+from labkit.fields import check
 from labkit.names import HSDP, NVME, ZERO3
 
-from .inputs import _CHECK_OF_KIND, DEFAULTS, INPUTS
+from .inputs import DEFAULTS, INPUTS
 from .planner import plan
 from .quantities import format_bytes
 
@@ -66,7 +67,7 @@ def fewest_ranks(
 def _checked(name: str, value):
     """`value` checked as the field `name` of PlanInputs checks it (a bad one raises ValueError)."""
     spec = next(i.spec for i in INPUTS if i.name == name)
-    return _CHECK_OF_KIND[spec.kind](name, value, spec)
+    return check(name, value, spec)
 
 
 def _plan_or_none(params: float, n: int, strategy: str, options: dict) -> dict | None:

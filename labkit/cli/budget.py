@@ -15,6 +15,7 @@ import sys
 
 from labkit import budget, tables
 from labkit.cli import UsageError
+from labkit.fields import Spec
 from labkit.names import HSDP, NVME, WEIGHTS_SHARDED
 
 # The flags are made from labkit.budget.INPUTS: --NAME for each input (--no-NAME for a switch that is on by
@@ -29,7 +30,7 @@ _FLAG_RE = re.compile(r"\b(" + "|".join(sorted(_FLAGS, key=len, reverse=True)) +
 AUTO = "auto"  # --world-size auto: the fewest ranks that fit
 
 
-def _parser(spec: budget.InputSpec, auto: bool = False):
+def _parser(spec: Spec, auto: bool = False):
     """The argparse type of one input: its text through `budget.parse_quantity`, a count kept whole."""
 
     def parse(text: str):

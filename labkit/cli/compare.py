@@ -23,7 +23,8 @@ from labkit.cli import UsageError
 from labkit.cli.paths import writable_file
 from labkit.engines import ENGINES, validation
 from labkit.engines.registry import DDP, ORACLE
-from labkit.engines.run_config import DEFAULTS, SETTINGS, RunConfig, Setting
+from labkit.engines.run_config import DEFAULTS, SETTINGS, RunConfig
+from labkit.fields import Spec
 
 
 def _engine_list(text: str) -> list[str]:
@@ -57,7 +58,7 @@ _positive_float = _positive(float, "a number", "a value above 0, e.g. 1.0")
 _VALUE_FLAGS = {name: s.flag for name, s in SETTINGS.items() if s.flag and s.kind != "switch"}
 
 
-def _flag_type(setting: Setting) -> Callable[[str], object] | None:
+def _flag_type(setting: Spec) -> Callable[[str], object] | None:
     """The argparse type of a setting's flag: a count of 1 or more and a rate checked as argparse errors; a
     model's name stays text (`RunConfig` checks it) and a choice is argparse's `choices`."""
     if setting.kind == "count":
@@ -65,7 +66,7 @@ def _flag_type(setting: Setting) -> Callable[[str], object] | None:
     return _positive_float if setting.kind == "rate" else None
 
 
-def _add_setting_flag(parser: argparse.ArgumentParser, name: str, setting: Setting) -> None:
+def _add_setting_flag(parser: argparse.ArgumentParser, name: str, setting: Spec) -> None:
     """The flag of one `RunConfig` setting: its default, choices and help from the schema.
 
     A switch's flag turns it off; `--world-size` defaults to None (2, or the launcher's WORLD_SIZE: `run`).
