@@ -28,19 +28,18 @@ again with the reference piece in its place, and the other checks judge that run
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from labkit.grading import ranks
 from labkit.grading.capstone_memory import Watch, freed_judge, sharded_grads_judge
+from labkit.grading.capstone_run import Run, single_reference
 from labkit.grading.gradients import GRAD_REL_TOL, mean_hint
 from labkit.grading.kit import (
     Check,
@@ -57,7 +56,6 @@ from labkit.grading.kit import (
 )
 from labkit.names import ALL_GATHER, REDUCE_SCATTER
 
-LOCK = threading.RLock()  # held while a model is registered, and around single's reference (which registers)
 LAUNCH_TIMEOUT_S = 120.0
 RANKS_LIMIT_S = 150.0  # the seven checks share one training run (and its reruns with a stand-in)
 # float32 puts a right answer within 1e-7 of single's loss; full gradients kept past their reduce-scatter
@@ -76,61 +74,6 @@ FIRST_STEP_HINT = (
     "the weights your gathers loaded are not the model's: is the receive buffer read rank-major, "
     "parameter p's rows at recv.view(n, chunk)[:, offset : offset + shard numel]?"
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """One training run the checks judge: `model` (a name `labkit.model` knows, or `custom`'s name: it is
-    registered under it in every process that uses the run, the ranks included), its `seed` (weights and
-    batches), on `ranks` ranks for `steps` steps, with the lab's AdamW defaults."""
-
-    model: str
-    seed: int = 0
-    ranks: int = 3
-    steps: int = 3
-    custom: Any = None  # a labkit.model.ModelConfig the lab does not name
-
-    def config(self):
-        """The `RunConfig` the loop trains (and `single` reproduces)."""
-        from labkit.engines.base import RunConfig
-
-        return RunConfig(model=self.registered(), world_size=self.ranks, steps=self.steps, seed=self.seed)
-
-    def registered(self) -> str:
-        """`model`, a name `labkit.model.build_model` knows in this process."""
-        from labkit import model
-
-        if self.custom is not None:
-            with LOCK:
-                model.CONFIGS.setdefault(self.model, self.custom)
-        return self.model
-
-    @property
-    def n_layers(self) -> int:
-        from labkit.model import config
-
-        return config(self.registered()).n_layers
-
-    def unit_shapes(self) -> dict[str, list[tuple[tuple[int, ...], str]]]:
-        """{unit name: [(shape, parameter name)]}: the root (everything outside the blocks), then each block."""
-        return _unit_shapes(self.registered())
-
-    def padded_elements(self, unit: str | None = None) -> int:
-        """Elements of the padded full parameters (of one unit, or all): what an all-gather fills."""
-        from labkit.budget import padded_numel
-
-        units = self.unit_shapes()
-        chosen = units.values() if unit is None else [units[unit]]
-        return sum(padded_numel(shape, self.ranks) for params in chosen for shape, _ in params)
-
-
-@functools.cache
-def _unit_shapes(model: str) -> dict[str, list[tuple[tuple[int, ...], str]]]:
-    from labkit.model import GPT, config
-    from labkit.zero.hooks import model_units
-
-    units = model_units(GPT(config(model)))
-    return {unit: [(tuple(p.shape), name) for name, p in params] for unit, _, params in units}
 
 
 # --------------------------------------------------------------------------------------------- the probe
@@ -345,34 +288,6 @@ _prefetch_probe = _probe(lambda r: {"gathers": r["gathers"], "order": r["order"]
 
 
 # -------------------------------------------------------------------------------------------- the judges
-
-
-@functools.cache
-def _single_run(run: Run) -> tuple[tuple[float, ...], dict]:
-    """`single` on the run's model: the loss of every step and the full gradients of the first."""
-    import torch
-
-    from labkit.engines.single import SingleEngine
-    from labkit.model import batch, build_model
-
-    cfg = run.config()
-    engine = SingleEngine(build_model(cfg.model, cfg.seed), cfg, torch.device("cpu"))
-    losses, grads = [], {}
-    for step in range(cfg.steps):
-        tokens, targets = batch(step, cfg.model, cfg.seed)
-        loss = engine.forward_loss(tokens, targets)
-        engine.backward(loss)
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in engine.model.named_parameters()}
-        engine.optimizer_step()
-        losses.append(loss.item())
-    return tuple(losses), grads
-
-
-def single_reference(run: Run) -> tuple[tuple[float, ...], dict]:
-    """(losses per step, first-step gradients by parameter name) of `single` on the run."""
-    with LOCK:
-        return _single_run(run)
 
 
 def _grad_case(seen: dict, grads: dict, rank: int, n: int) -> tuple[bool, str]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from labkit.grading.kit import tally
 
 if TYPE_CHECKING:
-    from labkit.grading.capstone import Run
+    from labkit.grading.capstone_run import Run
 
 # --------------------------------------------------------------------------------------------- the probe
 
