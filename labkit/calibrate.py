@@ -288,8 +288,7 @@ def plan_options(engine: str, cfg: RunConfig, profile: dict) -> tuple[int, str, 
     link (`cfg.link_gbytes`; none: infinitely fast, so gloo's own cost is all), one collective per unit
     (the scratch engine's root split in two: `root_units=2`). FSDP2 on gloo ranks is priced without
     prefetch: with no separate stream to run its all-gathers on, it overlaps almost none of them
-    (measured: on `small` at 2 ranks the emulated link adds about 85% of its time to FSDP2's step; 03
-    shows its timeline). The strategy is the engine's registry row's (`labkit.engines.ENGINES`).
+    (docs/measured.md; 03 shows its timeline). The strategy is the engine's registry row's (`labkit.engines.ENGINES`).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r} has no budget strategy; use one of {', '.join(ENGINES)}")

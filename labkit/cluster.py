@@ -361,8 +361,7 @@ def _run_in_place(fn, world_size: int, args, kwargs) -> list[Any]:
 
     The default group is created by the first call and kept for the process's life (destroyed at exit):
     a second `init_process_group` under torchrun reads the first one's gloo addresses, still in the
-    agent's store under the same keys, and hangs (measured: `labkit compare --engines fsdp2,deepspeed`
-    across two agents).
+    agent's store under the same keys, and hangs (docs/measured.md).
     """
     if not dist.is_initialized():
         # A rank of its own already (nothing is forked after this), so asking CUDA directly is safe here.

@@ -10,10 +10,9 @@ inner block with those gathered weights; the recompute never fires the sharding 
 moves the same bytes as without checkpointing.
 
 The deepspeed engine refuses it (`ds_config.ACTIVATION_CHECKPOINTING_REFUSAL`): DeepSpeed's own
-checkpointing is a call in the model's forward. Measured on DeepSpeed 0.19.8 (tiny, 2 ranks), torch's
-wrapper does run under it, with the same losses: with the blocks as ZeRO-3 leaf modules it keeps the
-calls and bytes (16 all-gathers); without, the recompute fires DeepSpeed's sub-module hooks again and
-gathers more (84 all-gathers instead of 64, 2,555,136 instead of 1,956,096 wire bytes).
+checkpointing is a call in the model's forward. torch's wrapper does run under it, with the same losses:
+with the blocks as ZeRO-3 leaf modules it keeps the calls and bytes; without, the recompute fires
+DeepSpeed's sub-module hooks again and gathers more (docs/measured.md).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, storages
 NAME = DEEPSPEED
 
 # ZeRO++ flags that DeepSpeed accepts in the config but whose kernels exist only for CUDA, and what DeepSpeed
-# itself then does on CPU ranks (measured; the qgZ no-op by tests/test_deepspeed.py's probe run).
+# itself then does on CPU ranks (the qgZ no-op seen by tests/test_deepspeed.py's probe run).
 _FAILS = "DeepSpeed itself fails with 'This op had not been implemented on CPU backend'"
 _CUDA_ONLY_FLAGS = {
     "zero_quantized_weights": f"its weight quantizer is a CUDA kernel ({_FAILS})",
@@ -144,7 +144,7 @@ class DeepSpeedEngine:
         "params": each parameter's partition `ds_tensor` (the compute dtype; views into one flat buffer),
         plus the full tensor of every parameter DeepSpeed keeps gathered ("persistent"), plus, with
         `zero_hpz_partition_size` = h, the secondary 1/h partition backward gathers from (ZeRO++ hpZ) while
-        it exists: built in forward, gone after the optimizer step (measured), so absent between steps.
+        it exists: built in forward, gone after the optimizer step, so absent between steps.
         "grads": the flat gradient-partition buffer (the gradient dtype: fp32, or bf16 in bf16 runs), the
         flat reduce bucket the gradients are copied into before each reduce-scatter (both stay allocated)
         and, under optimizer offload, the fp32 gradient the host optimizer reads (the master partition's
@@ -358,8 +358,7 @@ def unmodelled_reuse(zero: dict[str, Any]) -> str | None:
     within `stage3_max_reuse_distance` elements of its traced order, and prefetches up to
     `stage3_prefetch_bucket_size` elements when `stage3_max_live_parameters` leaves room (its budget is max
     live minus the elements gathered now: with max live 1, one parameter at most, and the bytes stay the
-    formula's, measured); a prefetched parameter still gathered at its next use is kept (measured on tiny
-    with max live 1e9: one all-gather fewer with a bucket of 1, the whole model gathered once with 5e7).
+    formula's); a prefetched parameter still gathered at its next use is kept (docs/measured.md).
     """
     reuse = zero_knob(zero, "stage3_max_reuse_distance")
     if reuse:

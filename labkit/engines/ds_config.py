@@ -30,8 +30,7 @@ FAIR_ZERO3_KNOBS: dict[str, int] = {
     # Partition every parameter, however small (default 1e5 elements: smaller ones stay whole on every rank).
     "stage3_param_persistence_threshold": 0,
     # At most 1 element live (default 1e9). DeepSpeed's prefetch budget is max live minus the elements gathered
-    # now, so it prefetches one parameter only when nothing is gathered (measured on tiny: 64 all-gathers a
-    # step, 56 with no prefetch at all; the same bytes, whatever the prefetch bucket).
+    # now, so it prefetches one parameter only when nothing is gathered (docs/measured.md).
     "stage3_max_live_parameters": 1,
     # Never keep a parameter for reuse "soon" (default: anything reused within 1e9 elements stays).
     "stage3_max_reuse_distance": 0,
@@ -64,8 +63,7 @@ def quantized_weight_fetches() -> list[str]:
     return [ast.unparse(k.value) for call in calls for k in call.keywords if k.arg == "quantize"]
 
 
-# Measured (DeepSpeed 0.19.8, tiny, 2 ranks): the config's "activation_checkpointing" section with
-# partition_activations and cpu_checkpointing on leaves the step's peak growth at 8,267,920 B, unchanged.
+# The config's "activation_checkpointing" section alone leaves the step's peak unchanged (docs/measured.md).
 ACTIVATION_CHECKPOINTING_REFUSAL = (
     "activation_checkpointing=True: the deepspeed engine refuses it, because DeepSpeed's activation "
     "checkpointing needs model code (the model's forward must call deepspeed.checkpointing.checkpoint; the "
@@ -189,12 +187,10 @@ def offload_section(cfg: RunConfig) -> dict[str, Any]:
 def nvme_aio_block_bytes(model: str, world_size: int) -> int:
     """The async-I/O block size (bytes) the lab gives NVMe runs: a power of two above every gradient piece.
 
-    DeepSpeed swaps a tensor to its files only when it is at least one block (minimum 1 MiB). In DeepSpeed
-    0.19.8 on CPU ranks, swapping the fp32 gradient of each parameter partition separately goes wrong:
-    measured on `small` at 2 ranks, the MLP weights of every other block get another parameter's gradient
-    (about half their elements move the wrong way on the first step; losses 7e-5 off `single` after one
-    step, 7e-4 after two). A block larger than the largest parameter partition keeps those gradient pieces
-    in memory, and the losses then match `single` to 1e-7; the optimizer state (master copy and moments,
+    DeepSpeed swaps a tensor to its files only when it is at least one block (minimum 1 MiB). On CPU ranks,
+    swapping the fp32 gradient of each parameter partition separately gives some parameters another's
+    gradient (docs/measured.md). A block larger than the largest parameter partition keeps those gradient
+    pieces in memory, and the losses then match `single`; the optimizer state (master copy and moments,
     one flat partition per rank) still lives in the files.
     """
     largest = max(p.numel() for p in build_model(model).parameters())

@@ -29,8 +29,8 @@ Choices, from `RunConfig` and `cfg.options` (anything else is refused, never ign
   world_size / s replicas. With `reshard_after_forward=False` FSDP1's only strategy is the private
   `_HYBRID_SHARD_ZERO2`: refused.
 - `cfg.offload == "cpu"`: `CPUOffload(offload_params=True)` (shards, gradients and so the optimizer state on
-  the host), on CUDA ranks only: on gloo CPU ranks FSDP1's offload asks for an accelerator and fails
-  (measured, torch 2.13), so it is refused there; the CUDA path is FSDP1's stock one, not yet run by the
+  the host), on CUDA ranks only: on gloo CPU ranks FSDP1's offload asks for an accelerator and fails,
+  so it is refused there; the CUDA path is FSDP1's stock one, not yet run by the
   tests (no GPU in the machines they ran on). "nvme" is DeepSpeed's: refused.
 On gloo CPU ranks FSDP1 needs `device_id=torch.device("cpu")` (without it: "needs a non-CPU accelerator");
 the engine passes the rank's device, so the same code is right on CUDA.

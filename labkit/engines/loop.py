@@ -109,13 +109,13 @@ def run_many(runs: Sequence[tuple[str, RunConfig]], timeout_s: float = 600.0) ->
     Each rank trains the runs one after the other with `train_rank` (the same probes as `run`); sharing
     the ranks saves a start-up and a DeepSpeed import per run (seconds each on a laptop). All runs need the
     same number of ranks (`single` cannot share a launch with multi-rank engines: `run` it), and a
-    DeepSpeed hpZ run must be alone (DeepSpeed keeps its hpZ groups for the process; measured: the next
-    run in the same ranks gathered inside them too).
+    DeepSpeed hpZ run must be alone (DeepSpeed keeps its hpZ groups for the process: the next run in the
+    same ranks gathers inside them too).
 
     What an earlier run left alive is not in a later run's `peak_mem_bytes` or `mem_baseline_bytes`; its
     `mem_prior_bytes` says how much there was. The scratch, ddp and fsdp2 engines leave nothing; DeepSpeed
     and FSDP1 leave their model behind, held by hooks in autograd's C++ side that `gc` cannot free
-    (measured on `small` at 2 ranks: 145 MB and 55 MB per run).
+    (docs/measured.md).
     """
     runs = list(runs)
     if not runs:

@@ -77,7 +77,7 @@ def train_rank(engine: str | EngineBuilder, cfg: RunConfig, peak: bool = True) -
     torch.set_num_threads(1)
     data_world_size, data_rank = (1, 0) if single_rank(engine) else (info.world_size, info.rank)
     nodes = cluster.rank_nodes()  # before the probes are installed: not counted
-    # gloo's worker may still hold that all-gather's few output bytes (seen: 42 B on rank 0) when
+    # gloo's worker may still hold that all-gather's few output bytes when
     # `note_prior` counts what is live; the next collective on the group retires it first.
     dist.barrier()
     probes = Probes(info.rank, info.device, nodes=nodes)

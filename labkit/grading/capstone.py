@@ -16,8 +16,8 @@ each moment the probe weighs the full weights a unit holds and its full gradient
 its forward to its backward; that costs it the memory check.
 
 Why the gradients and not only the losses: AdamW's update is invariant to a constant scale of the gradient
-(but for eps), so a reduce-scatter that forgets to divide by n trains to the same losses (measured: 3x the
-gradients moves tiny_uneven's first 5 losses by under 5e-7, relative). Its gradient shards are n x the mean.
+(but for eps), so a reduce-scatter that forgets to divide by n trains to the same losses (docs/measured.md).
+Its gradient shards are n x the mean.
 
 The points follow the properties: freed weights and sharded gradients, what makes it ZeRO-3, weigh most
 (`CHECKS`). A piece that raises (or is not defined) costs only the checks of the properties it touches
