@@ -119,31 +119,6 @@ def test_the_gpu_model_family_and_its_mfu_arithmetic_on_the_cpu():
     assert model_flops_utilisation(30e9, 16384, 7.45, 989e12) == pytest.approx(0.40, abs=0.005)
 
 
-def test_profile_step_writes_a_perfetto_trace_of_one_step_per_engine(tmp_path):
-    """benchmarks/profile_step.py on CPU ranks: the last timed step of each engine, alone, in a Chrome trace
-    rank 0 writes, with the engine's collectives in it; the ops table beside it."""
-    import json
-
-    import cloudpickle
-
-    import labkit
-    from labkit.engines.base import RunConfig
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import profile_step
-
-    cloudpickle.register_pickle_by_value(profile_step)  # the ranks need not find the benchmarks folder
-    cfg = RunConfig(model="tiny", world_size=2, steps=3)
-    for engine, collective in (("scratch", "allgather"), ("deepspeed", "allgather")):
-        table = labkit.launch(profile_step.profile_rank, 2, engine, cfg, str(tmp_path))[0]
-        names = [
-            e.get("name", "") for e in json.loads((tmp_path / f"{engine}.json").read_text())["traceEvents"]
-        ]
-        assert [n for n in names if n.startswith("ProfilerStep#")] == ["ProfilerStep#3"], engine
-        assert any(collective in n.replace("_", "") for n in names), (engine, sorted(set(names))[:40])
-        assert "Self CPU" in table
-
-
 def test_a_whole_report_keeps_the_sections_other_benchmarks_put_in_the_file(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from sections import write_report, write_section

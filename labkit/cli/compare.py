@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from labkit.cli import UsageError
-from labkit.cli.paths import writable_file
+from labkit.cli.paths import writable_file, writable_folder
 from labkit.engines import ENGINES, validation
 from labkit.engines.registry import DDP, ORACLE
 from labkit.engines.run_config import DEFAULTS, SETTINGS, RunConfig
@@ -141,6 +141,13 @@ def register(subparsers) -> None:
     )
     p.add_argument("--json", metavar="OUT", default=None, help="write the result as JSON to OUT")
     p.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="after the measured runs, trace each engine's last step under torch.profiler on every rank: "
+        "DIR/<engine>-rank<r>.json, Chrome traces that ui.perfetto.dev opens (needs --steps 2 or more)",
+    )
+    p.add_argument(
         "--machine",
         metavar="FILE",
         default=None,
@@ -194,6 +201,22 @@ def _refuse_what_one_process_ignores(args: argparse.Namespace, cfg, launched: in
         )
 
 
+def _trace(engines: list[str], cfg, out_dir: str, timeout_s: float, speaks: bool) -> None:
+    """`--trace DIR`: each engine traced in a launch of its own, after the measured runs (the profiler's own
+    cost stays out of the measured steps), each rank's trace said as it is written."""
+    from labkit import traces
+    from labkit.engines.validation import options_for
+
+    for name in engines:
+        paths = traces.trace(name, options_for(name, cfg), out_dir, timeout_s)
+        if speaks:
+            print(
+                f"labkit compare: {name} traced, step {cfg.steps - 1}: {', '.join(str(p) for p in paths)} "
+                "(open in ui.perfetto.dev)",
+                file=sys.stderr,
+            )
+
+
 def _predicted(engines: list[str], cfg, machine: dict) -> dict[str, float]:
     """Each engine's calibrated step (s) on the profiled machine, before any rank starts: a profile that cannot
     price this run is refused at once, not after it."""
@@ -233,12 +256,24 @@ def run(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()  # before this command's ranks start, as calibrate reads its own
     if args.json:
         writable_file("compare", "--json", args.json)
+    if args.trace:
+        writable_folder("compare", "--trace", args.trace)
     try:
         machine = None if args.machine is None else load_machine_profile(args.machine)
     except ValueError as e:
         raise UsageError(f"labkit compare: --machine: {e}") from None
 
     launched = launcher_world_size()
+    if args.trace and launched is not None:
+        raise UsageError(
+            "labkit compare: --trace starts launches of its own after the measured runs; run it without "
+            "torchrun or the DeepSpeed launcher (labkit starts the ranks itself)"
+        )
+    if args.trace and args.steps < 2:
+        raise UsageError(
+            f"labkit compare: --trace records the last step after warm-up ones; pass --steps 2 or more, "
+            f"not {args.steps}"
+        )
     if launched is not None and args.world_size not in (None, launched):
         raise UsageError(
             f"labkit compare: --world-size {args.world_size} but the launcher started {launched} ranks "
@@ -280,6 +315,8 @@ def run(args: argparse.Namespace) -> int:
         )
 
     result = loop.compare(args.engines, cfg, timeout_s=args.timeout, on_result=progress)
+    if args.trace:
+        _trace(args.engines, cfg, args.trace, args.timeout, speaks)
     if not speaks:
         return 0
     print(compare_table(result))
