@@ -9,6 +9,7 @@
     yours.py      your engine from 02 in the later notebooks (05, 07), and what it did beside the libraries
     fsdp2_check.py      notebook 05's build check: the learner's fully_shard calls on real ranks
     deepspeed_check.py  notebook 06's build check: the learner's ZeRO-3 config and training step
+    prefetch_check.py   notebook 03's build check: the learner's 02 engine with prefetch, from its events
 
 labkit.zero (the lab's own ZeRO-3) never imports this package.
 """

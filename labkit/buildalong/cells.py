@@ -1,4 +1,4 @@
-"""The learner's pieces as notebook 02 holds them: its `build` cells run in a fresh namespace.
+"""The learner's pieces as notebooks 02 and 03 hold them: their `build` cells run in a fresh namespace.
 
 In the instructor's copy the cells are filled, so this gives the pieces that pass every check (the tests
 plant mistakes into copies of them); in the student release it gives whatever the learner wrote, stubs
@@ -16,6 +16,8 @@ from labkit.buildalong.scaffold import Pieces
 from labkit.course import course_path
 
 NOTEBOOK = "notebooks/02_zero3_from_scratch.ipynb"
+# 03's build cell writes 02's two gathering moments again, with prefetch
+PREFETCH_NOTEBOOK = "notebooks/03_prefetch_overlap.ipynb"
 BUILD, GIVEN = "build", "build-given"
 
 
@@ -42,6 +44,15 @@ def notebook_namespace(path: Path | None = None) -> dict:
     ns = {"torch": torch, "dist": dist, "lab": RunConfig(), "write_this_piece": write_this_piece}
     for cell_id, source in build_cells(path).items():
         exec(compile(source, f"<02 cell {cell_id}>", "exec"), ns)  # noqa: S102 (the course's own cells)
+    return ns
+
+
+def prefetch_namespace(path: Path | None = None, notebook_02: Path | None = None) -> dict:
+    """02's namespace (`notebook_namespace`) with notebook 03's build cells run in it after 02's: its
+    before_forward and before_backward are 03's, with prefetch (the instructor's copy: filled)."""
+    ns = notebook_namespace(notebook_02)
+    for cell_id, source in build_cells(path or course_path(PREFETCH_NOTEBOOK)).items():
+        exec(compile(source, f"<03 cell {cell_id}>", "exec"), ns)  # noqa: S102 (the course's own cells)
     return ns
 
 

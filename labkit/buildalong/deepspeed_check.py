@@ -30,6 +30,7 @@ from labkit.engines.single import SingleEngine
 from labkit.gradients import grads_mismatch, mean_hint, single_grads
 from labkit.model import build_model
 from labkit.model import config as model_config
+from labkit.names import ALL_GATHER, REDUCE_SCATTER
 from labkit.probes import Probes
 
 TIMEOUT_S = 300.0  # a DeepSpeed start costs seconds per rank on a loaded laptop
@@ -438,8 +439,8 @@ def _bytes(facts, thresholds, configs, model: str, n: int) -> CheckResult:
     net = build_model(model)
     rows = []
     for f, asked, config in zip(facts, thresholds, configs, strict=True):
-        got = {k: f["comm"].get(k, 0) for k in ("all_gather", "reduce_scatter")}
-        measured = f"all-gather {got['all_gather']:,} B, reduce-scatter {got['reduce_scatter']:,} B"
+        got = {k: f["comm"].get(k, 0) for k in (ALL_GATHER, REDUCE_SCATTER)}
+        measured = f"all-gather {got[ALL_GATHER]:,} B, reduce-scatter {got[REDUCE_SCATTER]:,} B"
         zero = {**config["zero_optimization"], "stage3_param_persistence_threshold": asked}
         try:
             plan = ds_engine.zero3_wire_bytes(net, zero, n)
@@ -452,7 +453,7 @@ def _bytes(facts, thresholds, configs, model: str, n: int) -> CheckResult:
         if got != plan:
             sentence = (
                 f"at threshold {asked} rank 0 sent {measured} in the last step, where the plan says all-gather "
-                f"{plan['all_gather']:,} B, reduce-scatter {plan['reduce_scatter']:,} B"
+                f"{plan[ALL_GATHER]:,} B, reduce-scatter {plan[REDUCE_SCATTER]:,} B"
             )
             return CheckResult("bytes", False, sentence, {"measured": got, "plan": plan})
         rows.append(f"at {asked}, {measured}")

@@ -25,6 +25,7 @@ from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
 from labkit.gradients import grads_mismatch, mean_hint, single_grads
 from labkit.model import build_model
+from labkit.names import ALL_GATHER
 from labkit.probes import Probes
 
 TIMEOUT_S = 120.0
@@ -150,7 +151,7 @@ def _watch_gathers(net: torch.nn.Module, probes: Probes, last_step: int) -> list
     def before(i: int) -> None:
         if probes.timeline.step == last_step:
             seen[i] = [
-                c.payload_bytes for c in probes.comm.calls if c.step == last_step and c.kind == "all_gather"
+                c.payload_bytes for c in probes.comm.calls if c.step == last_step and c.kind == ALL_GATHER
             ]
 
     for i, block in enumerate(net.blocks):

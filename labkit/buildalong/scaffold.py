@@ -34,8 +34,10 @@ class Unit:
     `params`: the module's own parameters, the full-shape tensors the model computes with (for the root,
     the model's parameters outside `model.blocks`); `shards`: this rank's float32 rows of each, leaf
     tensors the optimizer updates (after_grad sets each `.grad`); `d0`: each parameter's dim-0 size
-    (rows). `next` / `prev` are the neighbours in forward order (root, blocks.0, ...; in backward the root
-    fires first, then the blocks from the last). `pending` is the learner's: e.g. a prefetched gather.
+    (rows). `next` / `prev` are the neighbours in forward order (root, blocks.0, ...). In backward the root
+    fires first, then the blocks from the last: `backward_next` is the unit whose backward runs after this
+    one's (the root's: the last block; blocks.0's: None, the root is still gathered then). `pending` is
+    the learner's: e.g. a prefetched gather (notebook 03).
     """
 
     name: str
@@ -53,6 +55,17 @@ class Unit:
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, {len(self.params)} params, rank {self.rank} of {self.n})"
 
+    @property
+    def backward_next(self) -> Unit | None:
+        """The unit whose backward runs after this one's, read off the forward order. A property, not a field:
+        code that walks a unit's fields (the capstone's memory probe) meets no new loop of units."""
+        if self.prev is None:  # the root: its output's gradient comes first, then the last block's
+            last = self
+            while last.next is not None:
+                last = last.next
+            return last if last is not self else None
+        return self.prev if self.prev.prev is not None else None  # blocks.0: the root is still gathered
+
 
 @dataclass
 class Pieces:
@@ -66,6 +79,10 @@ class Pieces:
     after_grad(unit)                   every param has its full `.grad`: reduce-scatter into each shard's
                                        `.grad` (the mean over ranks), drop the full grads and weights
     make_optimizer(shards)             the optimizer over the shards (None: `adamw(shards, cfg)`)
+
+    Prefetch (notebook 03) is these same moments written again, not a new piece: before_forward waits for
+    the unit's gather and issues `unit.next`'s, before_backward the same with `unit.backward_next`; the
+    scaffold keeps the order of the units, the moments say when each gather is issued and waited for.
 
     What None does: `attach` needs `shard` (it raises without it); `gather` is only called by the
     learner's own moments and by the checks. A moment left None does nothing when it fires, and with no

@@ -20,6 +20,7 @@ from labkit.buildalong.stubs import unwritten
 from labkit.engines.run_config import RunConfig
 from labkit.gradients import GRAD_ABS_TOL, GRAD_REL_TOL, grads_mismatch, mean_hint, single_grads
 from labkit.model import build_model
+from labkit.names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from labkit.zero.sharding import shard_dim0
 
 LOSS_RTOL = 1e-4  # float32: the engines' contract with single
@@ -49,8 +50,8 @@ class ModelFacts:
         self.n = n
         self.shapes = {k: tuple(p.shape) for k, p in build_model(name).named_parameters()}
         self.padded_bytes = {k: padded_numel(s, n) * 4 for k, s in self.shapes.items()}  # float32
-        self.gather_bytes = self._wire("all_gather")  # each parameter gathered once
-        self.scatter_bytes = self._wire("reduce_scatter")  # each gradient reduced once
+        self.gather_bytes = self._wire(ALL_GATHER)  # each parameter gathered once
+        self.scatter_bytes = self._wire(REDUCE_SCATTER)  # each gradient reduced once
 
     def _wire(self, kind: str) -> int:
         return sum(collective_wire_bytes(kind, b, self.n) for b in self.padded_bytes.values())
@@ -230,7 +231,7 @@ def _shard_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
 
 
 def _gather_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
-    return {"wire_bytes": _wire(ranks[0]["comm"], "all_gather"), "formula_bytes": m.gather_bytes}
+    return {"wire_bytes": _wire(ranks[0]["comm"], ALL_GATHER), "formula_bytes": m.gather_bytes}
 
 
 def _gather_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | None:
@@ -259,9 +260,9 @@ def _gather_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | No
                     f"row {i} of the gathered {name} on rank {rank} is not the full tensor's row {i} (row {i % k} "
                     f"of rank {i // k}'s shard): rank r's shard goes to rows [r*k, (r+1)*k) (k = {k}), in rank order"
                 )
-    if "all_reduce" in ranks[0]["comm"]:
+    if ALL_REDUCE in ranks[0]["comm"]:
         return (
-            f"gather used an all-reduce ({_wire(ranks[0]['comm'], 'all_reduce'):,} B on the wire, an all-gather's "
+            f"gather used an all-reduce ({_wire(ranks[0]['comm'], ALL_REDUCE):,} B on the wire, an all-gather's "
             f"is {m.gather_bytes:,} B): it works on zero-padded buffers but sends 2(n-1)/n of the bytes, twice "
             "an all-gather's (n-1)/n"
         )
@@ -286,7 +287,7 @@ def _gather_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
 def _forward_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
     return {
         "loss_rel": max(abs(r["loss"] - r["oracle"]) / abs(r["oracle"]) for r in ranks),
-        "wire_bytes": _wire(ranks[0]["comm"], "all_gather"),
+        "wire_bytes": _wire(ranks[0]["comm"], ALL_GATHER),
         "formula_bytes": m.gather_bytes,
         "trace": ranks[0]["trace"],
     }
@@ -347,7 +348,7 @@ def _backward_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
         "mistake": _grads_said(
             mean, want, f"the mean of the {m.n} ranks' full gradients after backward", m.n, after_grad=False
         ),
-        "wire_bytes": _wire(ranks[0]["comm"], "all_gather"),
+        "wire_bytes": _wire(ranks[0]["comm"], ALL_GATHER),
         "formula_bytes": 2 * m.gather_bytes,
         "trace": ranks[0]["trace"],
     }
@@ -482,7 +483,7 @@ def _scatter_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
     return {
         "grad_rel": max(_worst_rel(r["shard_grads"], rows[rank]) for rank, r in enumerate(ranks)),
         "mistake": next((x for x in said if x), None),
-        "wire_bytes": _wire(ranks[0]["comm"], "reduce_scatter"),
+        "wire_bytes": _wire(ranks[0]["comm"], REDUCE_SCATTER),
         "formula_bytes": m.scatter_bytes,
         "trace": ranks[0]["trace"],
     }
@@ -520,9 +521,9 @@ def _scatter_mistake(ranks: list[dict], m: ModelFacts, figures: dict) -> str | N
             f"after backward {names_of(held)} still hold full weights ({first}: {held[first]:,} B, want 0 B): free "
             "them in after_grad"
         )
-    if "all_reduce" in r0["comm"] and not figures["wire_bytes"]:
+    if ALL_REDUCE in r0["comm"] and not figures["wire_bytes"]:
         return (
-            f"after_grad used an all-reduce ({_wire(r0['comm'], 'all_reduce'):,} B on the wire, a reduce-scatter's "
+            f"after_grad used an all-reduce ({_wire(r0['comm'], ALL_REDUCE):,} B on the wire, a reduce-scatter's "
             f"is {m.scatter_bytes:,} B): every rank receives the whole gradient (2(n-1)/n of its bytes) to keep "
             "1/n of it; a reduce-scatter sends half"
         )

@@ -18,6 +18,7 @@ from labkit.buildalong.scaffold import Learner
 from labkit.buildalong.verdicts import LOSS_RTOL
 from labkit.engines.registry import ORACLE
 from labkit.model import build_model
+from labkit.names import ALL_GATHER, REDUCE_SCATTER
 from labkit.tables import wire_bytes
 
 NAME = "yours (02)"
@@ -40,8 +41,8 @@ def formula_wire_bytes(model: str, world_size: int) -> dict[str, int]:
     {"all_gather": 2 x (n-1)/n x padded bytes, "reduce_scatter": (n-1)/n x padded bytes}."""
     padded = 4 * sum(budget.padded_numel(tuple(p.shape), world_size) for p in build_model(model).parameters())
     return {
-        "all_gather": 2 * budget.collective_wire_bytes("all_gather", padded, world_size),
-        "reduce_scatter": budget.collective_wire_bytes("reduce_scatter", padded, world_size),
+        ALL_GATHER: 2 * budget.collective_wire_bytes(ALL_GATHER, padded, world_size),
+        REDUCE_SCATTER: budget.collective_wire_bytes(REDUCE_SCATTER, padded, world_size),
     }
 
 
