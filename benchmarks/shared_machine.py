@@ -1,7 +1,8 @@
 """Measured live on a shared machine: 08's crossover, 03's floor and the calibrated prediction, quiet and
 beside busy neighbours, side by side (issue 41).
 
-    python benchmarks/shared_machine.py [--sweeps 3] [--settings quiet,nice19,normal] [--out benchmarks/results.md]
+    python benchmarks/shared_machine.py [--sweeps 3] [--settings quiet,nice19,normal] [--part all|prediction]
+                                        [--out benchmarks/results.md]
 
 For each setting (quiet; two spinning processes at nice 19; one at normal priority: `labkit.neighbours`):
 1. notebook 08's measurement `--sweeps` times: R at the model's batch, the link that puts T* at 1152 tokens
@@ -12,7 +13,9 @@ For each setting (quiet; two spinning processes at nice 19; one at normal priori
 3. `labkit calibrate` on `small` at 2 and 4 ranks, then the median step of scratch, fsdp2 and ddp (runs
    interleaved, 2 launches) against `predicted_step_s`; PASS within 20%. Each setting's profile also prices
    every other setting's measured steps: a profile taken beside a neighbour predicts the quiet step.
-The section "## Measured live on a shared machine" of `--out` is replaced; the others stay.
+The section "## Measured live on a shared machine" of `--out` is replaced; the others stay. `--part prediction`
+measures 3. alone (a change to the time model) and replaces only its own section, "## Measured live on a
+shared machine: the calibrated prediction".
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweeps", type=int, default=3, help="08 measurements per setting")
     parser.add_argument("--reps", type=int, default=2, help="launches per step-time measurement")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="of " + ", ".join(SETTINGS))
+    parser.add_argument("--part", choices=("all", "prediction"), default="all", help="prediction: 3. alone")
     parser.add_argument("--out", default="benchmarks/results.md")
     args = parser.parse_args(argv)
     settings = args.settings.split(",")
@@ -101,17 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     got: dict[str, dict] = {}
     for name in settings:
         count, nice = SETTINGS[name]
+        whole = args.part == "all"
         with busy_neighbours(count, nice):
-            sweeps = [crossover_ratio() for _ in range(args.sweeps)]
-            floor = floor_row()
+            sweeps = [crossover_ratio() for _ in range(args.sweeps)] if whole else []
+            floor = floor_row() if whole else ""
             measured, profiles = steps_and_profiles(args.reps)
         got[name] = {"sweeps": sweeps, "floor": floor, "measured": measured, "profiles": profiles}
         print(name, got[name]["sweeps"], floor, measured, flush=True)
-    write_section(
-        args.out,
-        "## Measured live on a shared machine",
-        ["## Measured live on a shared machine", "", *report(got, time.perf_counter() - start)],
+    header = "## Measured live on a shared machine" + (
+        "" if args.part == "all" else ": the calibrated prediction"
     )
+    write_section(args.out, header, [header, "", *report(got, time.perf_counter() - start)])
     return 0
 
 
@@ -129,24 +133,33 @@ def report(got: dict, wall_s: float) -> list[str]:
         f"Beside spinning processes (`labkit.neighbours`) on this machine's cores; `benchmarks/shared_machine.py`, "
         f"{time.strftime('%Y-%m-%d')}, wall {wall_s:.0f} s. Times on the rank's clock (`labkit.probes.clock`).",
         "",
-        "08: measured crossover / closed form, one row per run (PASS within 25%); 03: rank 0's exposed time with "
-        "prefetch against the floor (FAIL only when its whole IQR lies below it).",
-        "",
-        head,
-        rule,
     ]
     runs = max(len(got[n]["sweeps"]) for n in names)
+    if runs:
+        lines += [
+            "08: measured crossover / closed form, one row per run (PASS within 25%); 03: rank 0's exposed time "
+            "with prefetch against the floor (FAIL only when its whole IQR lies below it).",
+            "",
+            head,
+            rule,
+        ]
     for i in range(runs):
         cells = [_crossover_cell(got[n]["sweeps"][i][0]) if i < len(got[n]["sweeps"]) else "" for n in names]
         lines.append(f"| 08 crossover, run {i + 1} | " + " | ".join(cells) + " |")
-    lines.append("| 03 exposed with prefetch | " + " | ".join(got[n]["floor"] for n in names) + " |")
-    lines += ["", "Calibrated prediction / measured median step, `small` (PASS within 20%):", "", head, rule]
+    if runs:
+        lines += ["| 03 exposed with prefetch | " + " | ".join(got[n]["floor"] for n in names) + " |", ""]
+    lines += ["Calibrated prediction / measured median step, `small` (PASS within 20%):", "", head, rule]
     for key in got[names[0]]["measured"]:
         cells = []
         for n in names:
             ratio = predicted_over_measured(got[n]["measured"], got[n]["profiles"])[key]
             cells.append(f"{ratio:.2f} {'PASS' if abs(ratio - 1) <= WITHIN['predicted'] else 'FAIL'}")
         lines.append(f"| {key[1]} at {key[0]} ranks | " + " | ".join(cells) + " |")
+    drift = [
+        " / ".join(f"{got[n]['profiles'][w]['sync_s'][str(w)] * 1e3:.1f}" for w in (2, 4)) + " ms"
+        for n in names
+    ]
+    lines.append("| calibrate's drift per wait, 2 / 4 ranks | " + " | ".join(drift) + " |")
     lines += [
         "",
         "A profile from one setting pricing another setting's measured steps (rows: the profile's):",
