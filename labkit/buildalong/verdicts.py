@@ -9,16 +9,19 @@ optimizer step) with single's by `labkit.gradients`, which names a factor of n.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from labkit.budget import collective_wire_bytes, padded_numel
+from labkit.buildalong.gradient_verdicts import (
+    grads_said,
+    mean_over_ranks,
+    single_gradients,
+    worst_rel,
+)
 from labkit.buildalong.stubs import unwritten
-from labkit.engines.run_config import RunConfig
-from labkit.gradients import GRAD_ABS_TOL, GRAD_REL_TOL, grads_mismatch, mean_hint, single_grads
 from labkit.model import build_model
 from labkit.names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from labkit.zero.sharding import shard_dim0
@@ -342,10 +345,10 @@ def _forward_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
 
 def _backward_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
     want = single_gradients(m.name)
-    mean = {name: _mean_over_ranks([r["grads"].get(name) for r in ranks]) for name in want}
+    mean = {name: mean_over_ranks([r["grads"].get(name) for r in ranks]) for name in want}
     return {
-        "grad_rel": _worst_rel(mean, want),
-        "mistake": _grads_said(
+        "grad_rel": worst_rel(mean, want),
+        "mistake": grads_said(
             mean, want, f"the mean of the {m.n} ranks' full gradients after backward", m.n, after_grad=False
         ),
         "wire_bytes": _wire(ranks[0]["comm"], ALL_GATHER),
@@ -396,80 +399,6 @@ def _backward_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
     )
 
 
-@functools.lru_cache(maxsize=4)
-def single_gradients(model: str) -> dict:
-    """single's full gradients at step 0 of `model` (seed 0, the global batch), before its optimizer runs."""
-    return single_grads(RunConfig(model=model))
-
-
-def _mean_over_ranks(grads: list):
-    """The ranks' gradients of one parameter summed and divided by n (None when a rank has none or the shapes
-    differ: the shape check says so)."""
-    if any(g is None for g in grads) or len({tuple(g.shape) for g in grads}) != 1:
-        return None
-    return sum(g.double() for g in grads) / len(grads)
-
-
-def _worst_rel(got: dict, want: dict) -> float:
-    """The largest |got - want| of any parameter relative to that parameter's largest |want| (plus the absolute
-    tolerance `grads_mismatch` allows), so that it is at most GRAD_REL_TOL exactly when they match."""
-    worst = 0.0
-    for name, w in want.items():
-        g = got.get(name)
-        if g is None or tuple(g.shape) != tuple(w.shape):
-            return math.inf
-        if w.numel():
-            err = float((g.double() - w.double()).abs().max())
-            worst = max(worst, err / (float(w.abs().max()) + GRAD_ABS_TOL / GRAD_REL_TOL))
-    return worst
-
-
-def _grads_said(got: dict, want: dict, where: str, n: int, after_grad: bool = True) -> str | None:
-    """`labkit.gradients.grads_mismatch` of `got` against `want`; when every gradient is c x want's, that
-    factor leads the sentence, and for an `after_grad` a factor of n (a sum over ranks, not divided) or 1/n
-    (the mean taken twice) says which."""
-    summed = mean_hint(
-        n,
-        "after_grad did not divide by n",
-        f"the reduce-scatter sums the {n} ranks' gradients: divide that sum by n = {n}, once",
-    )
-    twice = mean_hint(
-        1 / n, "the mean was taken twice", "ReduceOp.AVG already divides by n: sum, then divide once"
-    )
-    hinted: list[str] = []
-
-    def hint(ratio: float) -> str:
-        said = ""
-        if _proportional(got, want, ratio):
-            named = (summed(ratio) or twice(ratio)) if after_grad and n > 1 else ""
-            said = named or f"every gradient is {ratio:.2f} x single's"
-        hinted.append(said)
-        return said
-
-    text = grads_mismatch(got, want, where, hint)
-    if text and hinted and hinted[-1]:
-        return f"{hinted[-1]} ({text.removesuffix(f' ({hinted[-1]})')})"
-    return text
-
-
-def _proportional(got: dict, want: dict, c: float) -> bool:
-    """Every gradient in `got` is c x `want`'s, to the tolerance `grads_mismatch` allows."""
-    if not math.isfinite(c):
-        return False
-    for name, w in want.items():
-        g = got.get(name)
-        if g is None or tuple(g.shape) != tuple(w.shape):
-            return False
-        scaled = c * w.double()
-        if (
-            w.numel()
-            and float((g.double() - scaled).abs().max())
-            > GRAD_REL_TOL * float(scaled.abs().max()) + GRAD_ABS_TOL
-        ):
-            return False
-    return True
-
-
 # ------------------------------------------------------------------------------------------------ reduce-scatter
 
 
@@ -477,11 +406,11 @@ def _scatter_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
     want = single_gradients(m.name)
     rows = [{name: shard_dim0(w, rank, m.n) for name, w in want.items()} for rank in range(m.n)]
     said = (
-        _grads_said(r["shard_grads"], rows[rank], f"after backward, rank {rank}'s shard grads", m.n)
+        grads_said(r["shard_grads"], rows[rank], f"after backward, rank {rank}'s shard grads", m.n)
         for rank, r in enumerate(ranks)
     )
     return {
-        "grad_rel": max(_worst_rel(r["shard_grads"], rows[rank]) for rank, r in enumerate(ranks)),
+        "grad_rel": max(worst_rel(r["shard_grads"], rows[rank]) for rank, r in enumerate(ranks)),
         "mistake": next((x for x in said if x), None),
         "wire_bytes": _wire(ranks[0]["comm"], REDUCE_SCATTER),
         "formula_bytes": m.scatter_bytes,
