@@ -21,7 +21,7 @@ class Spec(NamedTuple):
     """How one field is checked, and what the CLI and the calculator say about it.
 
     kind: "count" (a whole number, at least `low`, at most `high`; a `rounded` one takes a float such as
-    1.5e9 / 7), "number" (0 or more), "rate" (above 0, at most `high`), "pair" (two numbers in [0, 1)),
+    1.5e9 / 7), "number" (0 or more), "rate" (above 0, at most `high`; infinity passes), "pair" (two numbers in [0, 1)),
     "choice" (one of `choices`) or "switch" (True or False); a class may check kinds of its own (`check`'s
     `extra`). `optional`: None is accepted (the default is None). `example`: what an error suggests.
     `assumption`: an input a plan's step time rests on. `flag`: its CLI flag where the CLI does not make it
@@ -85,7 +85,9 @@ def _number(name: str, value: Any, s: Spec) -> float:
 
 
 def _rate(name: str, value: Any, s: Spec) -> float:
-    if not _real(value) or value <= 0 or (s.high is not None and value > s.high):
+    """Above 0, at most `high`; infinity passes (an infinitely fast link: no time on the wire)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    if not number or value <= 0 or (s.high is not None and value > s.high):
         unit = f" ({s.unit})" if s.unit else ""
         most = "" if s.high is None else f", at most {s.high:g}"
         none = ", or None" if s.optional else ""

@@ -326,6 +326,10 @@ def test_inputs_are_checked_where_they_are_declared():
         plan(1e9, 8, accounting="deepspeed", additional_buffer_factor=0)
     with pytest.raises(TypeError, match="tokens"):
         plan(1e9, 8, tokens=4096)  # a misspelt option is not silently ignored
+    # an infinitely fast link is a link (calibrate prices gloo's own time with one): no seconds on the wire
+    assert plan(1e9, 8, link_gbytes=math.inf, intra_gbytes=math.inf)["comm_time_s"] == 0
+    with pytest.raises(ValueError, match="link_gbytes=nan: pass a number above 0"):
+        plan(1e9, 8, link_gbytes=math.nan)
 
 
 # ---- the inputs, in one dataclass --------------------------------------------------------------------
