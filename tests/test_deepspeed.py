@@ -315,7 +315,7 @@ UNDER_LAUNCHER = """
 import json, os, sys
 import labkit
 from labkit import cluster
-from labkit.engines import deepspeed as dse, loop
+from labkit.engines import deepspeed as dse, loop, on_rank
 from labkit.engines.base import RunConfig
 from labkit.model import build_model
 
