@@ -135,6 +135,12 @@ def report(got: dict, wall_s: float) -> list[str]:
         "",
     ]
     runs = max(len(got[n]["sweeps"]) for n in names)
+    if not runs:
+        lines += [
+            "The time model as it is now (the drift read per step, `calibrate.drift_per_wait_s`): these rows "
+            "supersede the prediction rows of the section above where they differ.",
+            "",
+        ]
     if runs:
         lines += [
             "08: measured crossover / closed form, one row per run (PASS within 25%); 03: rank 0's exposed time "
