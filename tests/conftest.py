@@ -9,6 +9,9 @@ notebooks/, a per-notebook timeout, two busy neighbours at nice 19 beside it: `l
 executed copy; tests/test_notebooks.py and tests/test_claims.py both read those copies, so a session that runs both
 executes each notebook once. The wall times are printed at the end of the session (and written to
 `notebook_times.json` in the session's temporary folder).
+
+`shared_grades` grades, once per session, every submission the collected modules registered with
+tests/grading_batches.py (the capstone's and exercise 08's): one pair of `labkit grade` runs several modules read.
 """
 
 from __future__ import annotations
@@ -57,6 +60,15 @@ def _built_ops() -> dict[Path, int]:
     from labkit import prebuild
 
     return {f: f.stat().st_mtime_ns for f in Path(prebuild.extensions_dir()).rglob("*.so")}
+
+
+@pytest.fixture(scope="session")
+def shared_grades(tmp_path_factory):
+    """{folder:file stem: report} of the shared grading run (`grading_batches.grade_registered`), run the
+    first time a test asks for it; `grading_batches.reports_of` reads one module's part."""
+    import grading_batches
+
+    return grading_batches.grade_registered(tmp_path_factory.mktemp("shared-grades"))
 
 
 @pytest.fixture(scope="session")

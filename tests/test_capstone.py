@@ -3,27 +3,28 @@ and eleven planted mistakes each lose the checks of the property they break, wit
 mistake; a one-line crash in one piece loses only the checks of the properties that piece touches (the
 reference piece stands in for it), and weights never freed cost more than a crash in the optimizer.
 
-Two `labkit grade DIR --gradebook` runs at once: the solution the whole way (its notebook run too), and a
-batch of fourteen `--answers-only` with --jobs 2 (the solution again, whose grade must be the same, the
-pristine exercise and the planted mistakes, which are edits of the solution's answer cells in temporary
-copies, one of them under a second name).
+The grades come from the session's shared grading run (tests/grading_batches.py, one pair of `labkit grade
+DIR --gradebook` runs with exercise 08's): the solution the whole way (its notebook run too), and fourteen
+`--answers-only` with --jobs 2 (the solution again, whose grade must be the same, the pristine exercise and
+the planted mistakes, which are edits of the solution's answer cells, one of them under a second name).
+check() on the notebook's model is run here and compared with those grades of the same notebooks.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
-from test_grading import (
+from grading_batches import (
     ANSWERS_ONLY,
     answer_checks,
     assert_answers_only_grades_as_the_whole_run,
     assert_check_and_grade_agree,
-    grade_beside,
     lock_entry,
     plant,
     read,
+    register,
+    reports_of,
 )
 
 from labkit.grading.checks import ex07_capstone as capstone
@@ -32,7 +33,6 @@ from labkit.grading.kit import judge_all, load, submission_seed
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "07_capstone.ipynb"
 EXERCISE = ROOT / "exercises" / "07_capstone.ipynb"
-BATCH_TIMEOUT_S = 240  # per submission; generous: 2 shared cores
 FREED, SHARDED_GRADS, GRADIENTS, LOSSES, STATE, BYTES, PREFETCH = (
     c.name for c in load("ex07_capstone").checks
 )
@@ -151,17 +151,16 @@ def planted(mistake: str):
     return plant(SOLUTION, PLANTED[mistake])
 
 
+register("ex07", SOLUTION, {"pristine": read(EXERCISE), **{mistake: planted(mistake) for mistake in PLANTED}})
+
+
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict[str, dict]:
-    """The solution graded the whole way and, at the same time, the answers-only batch (`grade_beside`)."""
-    others = {"pristine": read(EXERCISE), **{mistake: planted(mistake) for mistake in PLANTED}}
-    start = time.monotonic()
-    graded = grade_beside(tmp_path_factory.mktemp("capstone"), SOLUTION, others, BATCH_TIMEOUT_S)
-    print(f"\ncapstone: the solution, and {len(others) + 1} answers only: {time.monotonic() - start:.1f} s")
-    return graded
+def reports(shared_grades) -> dict[str, dict]:
+    """The solution graded the whole way and, answers only, again beside the others (`grading_batches`)."""
+    return reports_of(shared_grades, "ex07")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # the shared grading run, when this test is the first to ask for it
 def test_the_solution_scores_full_marks_and_its_report_times_each_stage(reports):
     r = reports["solution"]
     assert r["status"] == "graded", r["reason"]
@@ -317,13 +316,14 @@ def test_the_memory_probe_weighs_every_full_tensor_a_unit_keeps_and_what_autogra
     assert held_bytes(unit) == 4 * (30 + 24 + 6)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("mistake", ["solution", "no_mean", "no_prefetch", "kept_after_forward"])
-def test_check_on_the_notebooks_model_flags_what_the_grade_marks_down(mistake):
+def test_check_on_the_notebooks_model_flags_what_the_grade_marks_down(reports, mistake):
     """The student release's check() runs the grade's seven checks on the notebook's `tiny`: a wrong gradient
     scale, weights never freed and no prefetch each fail its line there and lose the same check's points in
-    the grade; the solution passes both."""
+    the grade (the shared run's grade of the same notebook); the solution passes both."""
     nb = read(SOLUTION) if mistake == "solution" else planted(mistake)
-    shown, graded = assert_check_and_grade_agree("ex07_capstone", nb, SAYS.get(mistake, ""))
+    graded = answer_checks(reports[ANSWERS_ONLY if mistake == "solution" else mistake])
+    shown, graded = assert_check_and_grade_agree("ex07_capstone", nb, SAYS.get(mistake, ""), graded)
     failing = {e["name"] for e in shown if not e["passed"]}
     assert failing == {e["name"] for e in graded if not e["passed"]} == LOSES.get(mistake, set()), shown

@@ -1,9 +1,10 @@
 """Exercise 08: the solution scores full marks, the pristine exercise 0 (graded, not an error), and two planted
 mistakes in the accumulation step each lose the check of the property they break and only it.
 
-The solution is graded the whole way and, at the same time, a batch `--answers-only` holds the solution again
-(whose grade must be the same), the pristine exercise and the mistakes, edits of the solution's answer cell
-in temporary copies (`test_grading.grade_beside`).
+The grades come from the session's shared grading run (tests/grading_batches.py, with the capstone's): the
+solution graded the whole way and, `--answers-only`, the solution again (whose grade must be the same), the
+pristine exercise and the mistakes, edits of the solution's answer cell. check() is run here and compared
+with those grades of the same notebooks.
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_grading import (
+from grading_batches import (
+    ANSWERS_ONLY,
     answer_checks,
     assert_answers_only_grades_as_the_whole_run,
     assert_check_and_grade_agree,
-    grade_beside,
     lock_entry,
     plant,
     read,
+    register,
+    reports_of,
 )
 
 from labkit.grading.kit import load
@@ -26,7 +29,6 @@ from labkit.grading.kit import load
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "08_critical_batch.ipynb"
 EXERCISE = ROOT / "exercises" / "08_critical_batch.ipynb"
-BATCH_TIMEOUT_S = 240  # per submission; generous: 2 shared cores
 CRITICAL, USEFUL, SCATTERS, LOSSES = (c.name for c in load("ex08_critical_batch").checks)
 SYNC_LINE = (
     "        model.set_requires_gradient_sync(i == k - 1)  # reduce-scatter only after the last micro-batch\n"
@@ -56,12 +58,16 @@ def planted(mistake: str):
     return plant(SOLUTION, [("answer-accumulate", *PLANTED[mistake])])
 
 
+register("ex08", SOLUTION, {"pristine": read(EXERCISE), **{mistake: planted(mistake) for mistake in PLANTED}})
+
+
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict[str, dict]:
-    others = {"pristine": read(EXERCISE), **{mistake: planted(mistake) for mistake in PLANTED}}
-    return grade_beside(tmp_path_factory.mktemp("exercise08"), SOLUTION, others, BATCH_TIMEOUT_S)
+def reports(shared_grades) -> dict[str, dict]:
+    """The solution graded the whole way and, answers only, again beside the others (`grading_batches`)."""
+    return reports_of(shared_grades, "ex08")
 
 
+@pytest.mark.timeout(900)  # the shared grading run, when this test is the first to ask for it
 def test_answers_only_gives_the_solution_the_grade_of_the_whole_run(reports):
     assert_answers_only_grades_as_the_whole_run(reports)
 
@@ -105,10 +111,12 @@ def test_a_shared_launch_runs_once_per_answers_and_seed_and_keeps_a_failure():
             failing.result((answer, 1), dies)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("mistake", ["solution", *sorted(PLANTED)])
-def test_check_flags_each_planted_mistake_the_grade_marks_down(mistake):
+def test_check_flags_each_planted_mistake_the_grade_marks_down(reports, mistake):
     """The student release's check() (the notebook's demonstration: seed 0, 2 ranks) fails a line for each
-    mistake whose grade loses points, naming it; the solution passes both."""
+    mistake whose grade (the shared run's grade of the same notebook) loses points, naming it; the solution
+    passes both."""
     nb = read(SOLUTION) if mistake == "solution" else planted(mistake)
-    assert_check_and_grade_agree("ex08_critical_batch", nb, SAYS.get(mistake, ""))
+    graded = answer_checks(reports[ANSWERS_ONLY if mistake == "solution" else mistake])
+    assert_check_and_grade_agree("ex08_critical_batch", nb, SAYS.get(mistake, ""), graded)

@@ -24,6 +24,15 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from grading_batches import (
+    answer_checks,
+    assert_check_and_grade_agree,
+    labkit_cli,
+    lock_entry,
+    plant,
+    read,
+    run_cells,
+)
 
 from labkit import KERNEL_NAME
 from labkit.cli import main
@@ -33,7 +42,7 @@ from labkit.grading.kit import Check, judge_all, load, probe_one, submission_see
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
-# tests/test_capstone.py grades the capstone's solution and exercise with its planted mistakes, in a batch of its own
+# test_capstone.py and test_exercise08.py grade these with their planted mistakes, in the shared run of grading_batches.py
 GRADED_ELSEWHERE = {
     "07_capstone.ipynb",
     "08_critical_batch.ipynb",
@@ -46,60 +55,6 @@ BATCH_MEMORY = "4G"  # every notebook of the course grades inside it
 HANG_TIMEOUT_S, HANG_CHECK_S = 30, 25  # the hanging submission's notebook run and check limits
 DEADLINE = "2020-01-02T00:00:00Z"
 ON_TIME, LATE = 1577836800, 1577966400  # 2020-01-01 00:00 and 2020-01-02 12:00 UTC (file modification times)
-
-
-def labkit_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "labkit", *args], capture_output=True, text=True, timeout=timeout
-    )
-
-
-def read(path: Path):
-    return nbformat.read(path, as_version=4)
-
-
-ANSWERS_ONLY = "solution, answers only"  # the key of the solution's grade from the answers-only batch
-
-
-def grade_beside(root: Path, solution: Path, others: dict, timeout_s: float) -> dict[str, dict]:
-    """{name: report}: `solution` graded the whole way (its notebook run too, under `timeout_s`) and, at the
-    same time, a batch graded `--answers-only --jobs 2`: the solution again (ANSWERS_ONLY) and `others`
-    ({name: notebook}). Two `labkit grade DIR --gradebook` runs, each folder's gradebook beside it."""
-    batches = {
-        root / "full": {"solution": read(solution)},
-        root / "answers": {"solution": read(solution), **others},
-    }
-    runs = []
-    for folder, notebooks in batches.items():
-        folder.mkdir()
-        for name, nb in notebooks.items():
-            nbformat.write(nb, folder / f"{name}.ipynb")
-        flags = ("--timeout", str(timeout_s)) if folder.name == "full" else ("--answers-only", "--jobs", "2")
-        cmd = [sys.executable, "-m", "labkit", "grade", str(folder), "--gradebook", f"{folder}.csv", *flags]
-        runs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for run in runs:
-        _out, err = run.communicate(timeout=900)
-        assert run.returncode == 0, err
-    answers_only = {
-        p.name.removesuffix(".report.json"): json.loads(p.read_text())
-        for p in (root / "answers-reports").glob("*.report.json")
-    }
-    answers_only[ANSWERS_ONLY] = answers_only.pop("solution")
-    whole = json.loads((root / "full-reports" / "solution.report.json").read_text())
-    return {**answers_only, "solution": whole}
-
-
-def assert_answers_only_grades_as_the_whole_run(reports: dict[str, dict]) -> None:
-    """The solution's two grades (grade_beside): the same seed and points per check; only one notebook run."""
-    whole, answers_only = reports["solution"], reports[ANSWERS_ONLY]
-    assert answers_only["seed"] == whole["seed"]  # the same student: the same hidden cases
-    assert [(c["name"], c["points"]) for c in answers_only["checks"]] == [
-        (c["name"], c["points"]) for c in whole["checks"]
-    ]
-    assert "executed_notebook" in whole and "executed_notebook" not in answers_only
-    assert answers_only["notebook_run"].startswith("not run (--answers-only)")
-    assert answers_only["timings_s"]["notebook"] == 0 < whole["timings_s"]["notebook"]
-    assert answers_only["limits_s"]["total"] == answers_only["limits_s"]["answers"]
 
 
 def edited(path: Path, cell_id: str, source: str, append: bool = True):
@@ -434,14 +389,6 @@ def batch(tmp_path_factory, side_runs):
 
 def of_kind(batch, kind: str) -> dict[str, dict]:
     return {name: batch["reports"][name] for name, k in batch["kinds"].items() if k == kind}
-
-
-def lock_entry(report: dict) -> dict:
-    return next(c for c in report["checks"] if c["name"] == "locked cells unchanged")
-
-
-def answer_checks(report: dict) -> list[dict]:
-    return [c for c in report["checks"] if c["name"] != "locked cells unchanged"]
 
 
 @pytest.mark.timeout(900)
@@ -1294,15 +1241,6 @@ def test_a_probes_timeout_keeps_what_each_rank_was_doing():
     assert probe_error(ValueError("one line\nand a traceback after it")) == "ValueError: one line"
 
 
-def _kernel(cells: list[str]) -> dict:
-    """A kernel's globals after running `cells` in order, with IPython's input history `In` beside them."""
-    namespace: dict = {"__name__": "__main__"}
-    for text in cells:
-        exec(text, namespace)
-    namespace["In"] = ["", *cells]
-    return namespace
-
-
 def test_check_and_the_grade_agree_when_an_answer_leans_on_a_cell_the_grade_skips(tmp_path, capsys):
     """The issue's case: a helper table moved into a new cell above the answer gave check() 6/6 and the grade
     0/6. check() now judges the cells the grade runs, and says why."""
@@ -1317,7 +1255,7 @@ def test_check_and_the_grade_agree_when_an_answer_leans_on_a_cell_the_grade_skip
     graded = grader.grade_submission(tmp_path / "helper.ipynb", tmp_path / "helper.report.json")
     ran = [cell[i].source for i in ("parameters", "setup")] + [table, answer, cell["demo-state"].source]
     ran += [cell["answer-fit"].source, cell["demo-fit"].source + "\nprint('mine')"]  # a locked cell, edited
-    kernel = _kernel(ran)
+    kernel = run_cells(ran)
     capsys.readouterr()  # what the demonstration cells printed
     feedback.check("ex01_memory", kernel, seed=0)
     out = capsys.readouterr().out
@@ -1334,7 +1272,7 @@ def test_check_and_the_grade_agree_when_an_answer_leans_on_a_cell_the_grade_skip
     # The solution as it is, run in the kernel: full marks, as its grade, and nothing to warn about.
     solved = read(SOL01)
     order = ("parameters", "setup", "answer-state", "demo-state", "answer-fit", "demo-fit")
-    kernel = _kernel([next(c.source for c in solved.cells if c.id == i) for i in order])
+    kernel = run_cells([next(c.source for c in solved.cells if c.id == i) for i in order])
     capsys.readouterr()
     feedback.check("ex01_memory", kernel)
     out = capsys.readouterr().out
@@ -1415,63 +1353,15 @@ def test_check_in_the_kernel_and_the_grade_agree_on_every_planted_submission(
         kernel["In"] = ["", *ran]
         capsys.readouterr()
         feedback.check(r["exercise"], kernel, seed=r["seed"])
-        first = capsys.readouterr().out.splitlines()[0]
+        # (a rank's own line, e.g. gloo's when a stub's rank dies before its peers connect, is the launch's)
+        said = capsys.readouterr().out.splitlines()
+        first = next((line for line in said if not line.startswith("[rank ")), "")
         assert f": {r['score']:g}/{r['max_score']:g} (" in first, (name, first, r["checks"])
         compared += 1
     assert compared == len(BATCH_SOLUTIONS) + len(BATCH_EXERCISES) + len(RUN_HERE) - 2, compared
 
 
 # ------------------------------------------------------- planted mistakes: check() as strict as the grade
-
-
-def graded_kernel(nb) -> dict:
-    """A kernel's globals after the cells the grade runs of notebook `nb` (parameters, set-up, answers)."""
-    return _kernel(
-        [c.source for c in nb.cells if c.cell_type == "code" and exercises.role(c) in exercises.GRADED_ROLES]
-    )
-
-
-def plant(path: Path, edits: list[tuple[str, str, str]]):
-    """The notebook at `path` with each (answer cell id, text of the solution, what the mistake writes
-    instead) edit made; each edit must find its text."""
-    nb = read(path)
-    for cell_id, old, new in edits:
-        cell = next(c for c in nb.cells if c.id == cell_id)
-        assert old in cell.source, (cell_id, old)
-        cell.source = cell.source.replace(old, new)
-    return nb
-
-
-def public_and_grade(exercise_id: str, nb, seed: int = 3) -> tuple[list[dict], list[dict]]:
-    """The report entries of the student release's check() (the public checks) and of the grade's checks,
-    both probed and judged here on the graded cells of `nb`."""
-    from labkit.grading import public
-    from labkit.grading.kit import probe_all
-
-    namespace = graded_kernel(nb)
-    out = []
-    for exercise in (public.load(exercise_id, exercise_id), load(exercise_id)):
-        out.append(judge_all(exercise, probe_all(exercise, namespace, seed), seed))
-    return out[0], out[1]
-
-
-def assert_check_and_grade_agree(
-    exercise_id: str, nb, says: str | tuple[str, str] = ""
-) -> tuple[list[dict], list[dict]]:
-    """A planted mistake (`says`: a phrase its feedback names, or the grade's and check()'s own phrases where
-    the grade compares with the engine and check() states the rule) loses points in the grade and fails a line
-    of check(), naming it in both; the solution (`says` empty) passes both in full."""
-    shown, graded = public_and_grade(exercise_id, nb)
-    if not says:
-        assert all(e["passed"] for e in shown + graded), (shown, graded)
-        return shown, graded
-    in_grade, in_check = (says, says) if isinstance(says, str) else says
-    lost = [e for e in graded if e["points"] < e["max_points"]]
-    failing = [e for e in shown if not e["passed"]]
-    assert lost and failing, (exercise_id, shown, graded)
-    assert any(in_grade in e["feedback"] for e in lost), (in_grade, lost)
-    assert any(in_check in e["feedback"] for e in failing), (in_check, failing)
-    return shown, graded
 
 
 SOL06 = ROOT / "solutions" / "06_hsdp.ipynb"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_grading import graded_kernel, labkit_cli, plant, read
+from grading_batches import graded_kernel, labkit_cli, plant, read
 
 from labkit.grading.kit import Exercise, judge_all, load, probe_all, submission_seed
 
