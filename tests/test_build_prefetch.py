@@ -11,6 +11,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from release_helpers import executed_from_release
 
 import labkit
 from labkit.buildalong.cells import PREFETCH_NOTEBOOK, notebook_namespace, prefetch_namespace
@@ -260,21 +261,8 @@ def test_the_release_stubs_the_cell_and_shows_none_of_its_answer_lines(release: 
 
 
 def _executed_text(release: Path, path: Path, monkeypatch) -> str:
-    """Run `path` with papermill, the kernel importing the release's labkit (and reading its 02); the printed text."""
-    import papermill as pm
-
-    monkeypatch.setenv("PYTHONPATH", str(release))
-    out = path.with_suffix(".executed.ipynb")
-    pm.execute_notebook(
-        str(path),
-        str(out),
-        kernel_name="labkit",
-        cwd=str(path.parent),
-        progress_bar=False,
-        execution_timeout=420,
-    )
-    cells = nbformat.read(out, as_version=4).cells
-    return "\n".join("".join(o.get("text", "") for o in c.outputs) for c in cells if c.cell_type == "code")
+    """Run `path` from the release (its kernel reading the release's 02); the printed text."""
+    return "\n".join(executed_from_release(release, path, monkeypatch, timeout_s=420))
 
 
 def _type_in_the_filled_cells(release: Path, notebook: str) -> None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from release_helpers import executed_from_release
 
 from labkit.buildalong import reveal
 from labkit.cli import main
@@ -354,25 +355,6 @@ def test_a_common_mistake_fails_its_public_check(exercise_id, cell, source, fail
 # ----------------------------------------------------------------------- the student copy of 02, executed
 
 
-def _execute_from_release(release: Path, path: Path, monkeypatch) -> list[str]:
-    """Run `path` with papermill, the kernel importing the release's labkit; each code cell's printed text."""
-    import nbformat
-    import papermill as pm
-
-    monkeypatch.setenv("PYTHONPATH", str(release))
-    out = path.with_suffix(".executed.ipynb")
-    pm.execute_notebook(
-        str(path),
-        str(out),
-        kernel_name="labkit",
-        cwd=str(path.parent),
-        progress_bar=False,
-        execution_timeout=300,
-    )
-    cells = nbformat.read(out, as_version=4).cells
-    return ["".join(o.get("text", "") for o in c.outputs) for c in cells if c.cell_type == "code"]
-
-
 def test_the_student_02_runs_on_its_stubs_and_passes_once_the_pieces_are_written(
     release: Path, tmp_path: Path, monkeypatch
 ):
@@ -380,7 +362,7 @@ def test_the_student_02_runs_on_its_stubs_and_passes_once_the_pieces_are_written
     copy = tmp_path / "notebooks" / name
     copy.parent.mkdir()
     shutil.copy(release / "notebooks" / name, copy)
-    stubbed = "\n".join(_execute_from_release(release, copy, monkeypatch))
+    stubbed = "\n".join(executed_from_release(release, copy, monkeypatch))
     verdicts = re.findall(r"^([✓✗]) (\w+): (.*)$", stubbed, re.M)
     assert len(verdicts) == 6 and all(v[0] == "✗" and "write this piece: " in v[2] for v in verdicts), stubbed
     assert "Not yet: the runs below train your six pieces" in stubbed
@@ -394,7 +376,7 @@ def test_the_student_02_runs_on_its_stubs_and_passes_once_the_pieces_are_written
         if "build" in cell["metadata"].get("tags", []):
             cell["source"] = filled[cell["id"]]
     copy.write_text(json.dumps(nb))
-    written = "\n".join(_execute_from_release(release, copy, monkeypatch))
+    written = "\n".join(executed_from_release(release, copy, monkeypatch))
     verdicts = re.findall(r"^([✓✗]) (\w+): ", written, re.M)
     assert [v[0] for v in verdicts] == ["✓"] * 6, written
     assert reveal.NOT_YET not in written
