@@ -14,6 +14,7 @@ function from `__main__` or a notebook cell works there too. Return values come 
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import io
@@ -84,6 +85,22 @@ class LaunchTimeout(LaunchError):
         super().__init__(message)
         self.doing = doing
         self.stacks = stacks or {}  # each rank's full Python stack dump (all threads), for digging deeper
+
+
+@contextlib.contextmanager
+def rank_environ(values: dict[str, str], keep_set: bool = False):
+    """Environment variables the ranks of a launch inside this block inherit (read as they start), restored
+    after; `keep_set`: a variable the user already set keeps its value."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: v for k, v in values.items() if not (keep_set and before[k] is not None)})
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def launch(

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import labkit
+from labkit.cluster import rank_environ
 
 BUFFER_ENTRIES = 2000  # collectives each rank keeps (the recorder is a ring: older ones drop out)
 DUMP_PREFIX = "rank_"
@@ -95,20 +96,14 @@ def record(
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob(f"{DUMP_PREFIX}*"):
         old.unlink()
-    before = os.environ.get("TORCH_FR_BUFFER_SIZE")
-    os.environ["TORCH_FR_BUFFER_SIZE"] = str(BUFFER_ENTRIES)  # read by each rank's process group
     results, error = None, None
-    try:
-        results = labkit.launch(
-            _recorded_rank, world_size, fn, str(out), dump_after_s, *args, timeout=timeout, **kwargs
-        )
+    try:  # the buffer size is read by each rank's process group
+        with rank_environ({"TORCH_FR_BUFFER_SIZE": str(BUFFER_ENTRIES)}):
+            results = labkit.launch(
+                _recorded_rank, world_size, fn, str(out), dump_after_s, *args, timeout=timeout, **kwargs
+            )
     except (labkit.LaunchError, labkit.LaunchTimeout) as e:
         error = e
-    finally:
-        if before is None:
-            os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
-        else:
-            os.environ["TORCH_FR_BUFFER_SIZE"] = before
     return Flight(results, error, out, analyse(out))
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 import labkit
+from labkit.cluster import rank_environ
 from labkit.engines import on_rank, validation
 from labkit.engines.base import RunConfig
 
@@ -76,12 +77,7 @@ def trace(engine: str, cfg: RunConfig, out_dir: str | os.PathLike, timeout_s: fl
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     device_type = comparison_device_type(cfg)
-    quiet = "KINETO_LOG_LEVEL" not in os.environ
-    if quiet:  # read as each rank's profiler starts: above its USDT level, no line per start and stop
-        os.environ["KINETO_LOG_LEVEL"] = "6"
-    try:
+    # read as each rank's profiler starts: above its USDT level, no line per start and stop
+    with rank_environ({"KINETO_LOG_LEVEL": "6"}, keep_set=True):
         labkit.launch(trace_rank, n, engine, cfg, str(out), timeout=timeout_s, device_type=device_type)
-    finally:
-        if quiet:
-            del os.environ["KINETO_LOG_LEVEL"]
     return [trace_path(out, engine, r) for r in range(n)]
