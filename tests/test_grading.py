@@ -46,7 +46,8 @@ SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 GRADED_ELSEWHERE = {
     "07_capstone.ipynb",
     "08_critical_batch.ipynb",
-}  # tests/test_capstone.py, test_exercise08.py
+    "09_diagnose.ipynb",
+}  # tests/test_capstone.py, test_exercise08.py, test_exercise09.py
 BATCH_SOLUTIONS = [p for p in SOLUTIONS if p.name not in GRADED_ELSEWHERE]
 BATCH_EXERCISES = [p for p in EXERCISES if p.name not in GRADED_ELSEWHERE]
 BATCH_TIMEOUT_S = 240  # generous: 2 shared cores; the time-limit test uses a short one

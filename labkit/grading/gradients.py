@@ -18,6 +18,7 @@ __all__ = [
     "FirstStepGrads",
     "accumulation_hint",
     "accumulation_rank",
+    "uneven_rank",
     "gathered_rows",
     "grads_mismatch",
     "mean_hint",
@@ -26,15 +27,15 @@ __all__ = [
 
 
 class FirstStepGrads:
-    """A step function `step_fn(model, micro_batches)` that also records, the first time it returns (before
-    the harness's optimizer step), this rank's local gradient of every parameter (a DTensor's own rows)."""
+    """A step function `step_fn(model, *batch)` that also records, the first time it returns (before the
+    harness's optimizer step), this rank's local gradient of every parameter (a DTensor's own rows)."""
 
     def __init__(self, step_fn: Callable[..., float]):
         self.step_fn = step_fn
         self.grads: dict[str, dict | None] | None = None
 
-    def __call__(self, model, micro_batches: list) -> float:
-        loss = self.step_fn(model, micro_batches)
+    def __call__(self, model, *batch) -> float:
+        loss = self.step_fn(model, *batch)
         if self.grads is None:
             self.grads = {name: _local_grad(p) for name, p in model.named_parameters()}
         return loss
@@ -57,6 +58,16 @@ def accumulation_rank(step_fn: Callable[..., float], micro_steps: int, seed: int
     recorder = FirstStepGrads(step_fn)
     rows = run_accumulation(recorder, micro_steps, seed, steps)
     return {"steps": rows, "grads": recorder.grads or {}}
+
+
+def uneven_rank(step_fn: Callable[..., float], rows: list, seed: int) -> dict:
+    """Rank side: exercise 09's harness (`labkit.lessons.uneven.run_uneven`) around `step_fn`; {"steps": its
+    rows per step, "grads": this rank's gradient rows after the first step's `step_fn`}."""
+    from labkit.lessons.uneven import run_uneven
+
+    recorder = FirstStepGrads(step_fn)
+    steps = run_uneven(recorder, rows, seed)
+    return {"steps": steps, "grads": recorder.grads or {}}
 
 
 def accumulation_hint(k: int) -> Callable[[float], str]:

@@ -44,6 +44,7 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         (),
     ),
     "ex08_critical_batch": (("labkit.budget", "labkit.lessons.roofline", "labkit.lessons.production"), ()),
+    "ex09_diagnose": (("labkit.flight", "labkit.lessons.uneven"), ()),
 }
 
 

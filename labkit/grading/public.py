@@ -18,8 +18,9 @@ from collections.abc import Callable
 from unittest import mock
 
 from labkit.errors import error_text
-from labkit.grading import capstone
+from labkit.grading import capstone, diagnose
 from labkit.grading.kit import RANK_ORDER, Check, Exercise, answer, tally, tensor_json, tensor_mismatch
+from labkit.lessons import uneven
 from labkit.names import ALL_GATHER, ALL_REDUCE, DATA_PARALLEL, HSDP, REDUCE_SCATTER, ZERO1, ZERO2, ZERO3
 
 _LOCK = threading.Lock()
@@ -539,6 +540,9 @@ PUBLIC = {
             _accumulation_cases,
             ("accumulate_gradients",),
         ),
+    ),
+    "ex09_diagnose": diagnose.checks(
+        lambda seed: uneven.examples(), lambda seed: (list(uneven.EXAMPLE_ROWS), 0)
     ),
 }
 
