@@ -30,6 +30,7 @@ SOLUTION_OF = {
     "ex05_deepspeed": "05_deepspeed_config",
     "ex06_hsdp": "06_hsdp",
     "ex08_critical_batch": "08_critical_batch",
+    "ex09_diagnose": "09_diagnose",
 }
 # exercise -> {mistake: [(answer cell id, solution's text, the mistake's)]}
 PLANTED = {
@@ -59,15 +60,28 @@ PLANTED = {
     "ex08_critical_batch": {
         "bf16_typed_in": [("answer-critical", "* weight_bytes / link_bytes_per_s", "* 2 / link_bytes_per_s")],
     },
+    "ex09_diagnose": {  # the lists read by position: right until a ring drops their first entries unevenly
+        "positional": [("answer-diagnose", "    start = max((min(seqs) for seqs in by_seq.values() if seqs), default=1)\n", "    by_seq = {r: {i + 1: e for i, e in enumerate(rows)} for r, rows in entries.items()}\n    start = 1\n")],
+    },
 }  # fmt: skip
-RANKS_FREE = {"ex01_memory", "ex05_deepspeed", "ex06_hsdp", "ex08_critical_batch"}  # their checks, in process
+RANKS_FREE = {
+    "ex01_memory",
+    "ex05_deepspeed",
+    "ex06_hsdp",
+    "ex08_critical_batch",
+    "ex09_diagnose",
+}  # in process
+LAUNCHES_LEFT_OUT = {
+    "ex08_critical_batch",
+    "ex09_diagnose",
+}  # their checks that launch ranks: not graded here
 
 
 def graded_checks(exercise_id: str) -> Exercise:
-    """The exercise's checks this test grades: all of them, but ex08's that launch ranks (2 ranks' FSDP2
-    accumulation, whose cases differ by the model's seed alone)."""
+    """The exercise's checks this test grades: all of them, but ex08's and ex09's that launch ranks (FSDP2 on 2
+    or 3 ranks, whose cases differ by the model's seed and the rows alone)."""
     exercise = load(exercise_id)
-    if exercise_id == "ex08_critical_batch":
+    if exercise_id in LAUNCHES_LEFT_OUT:
         return Exercise(exercise.id, exercise.title, tuple(c for c in exercise.checks if not c.group))
     return exercise
 
@@ -103,6 +117,7 @@ def test_each_name_still_draws_its_own_cases():
     """The conditions are everyone's; the sizes are each student's."""
     from labkit.grading.checks import ex01_memory, ex02_shard, ex03_reduce_scatter, ex05_deepspeed, ex06_hsdp
     from labkit.grading.checks import ex08_critical_batch as ex08
+    from labkit.grading.checks import ex09_diagnose as ex09
 
     draws = {
         "ex01_memory": lambda s: ex01_memory._fit_cases(s) + ex01_memory._state_cases(s, "ddp"),
@@ -114,6 +129,7 @@ def test_each_name_still_draws_its_own_cases():
         "ex05_deepspeed": ex05_deepspeed._cases,
         "ex06_hsdp": ex06_hsdp._cases,
         "ex08_critical_batch": lambda s: ex08._critical_cases(s) + ex08._useful_cases(s),
+        "ex09_diagnose": lambda s: (ex09.hangs(s), ex09.splits(s)),
     }
     for exercise_id, draw in draws.items():
         cases = [repr(draw(submission_seed(0, exercise_id, name))) for name in NAMES]

@@ -4,9 +4,9 @@ The checks are `labkit.grading.diagnose`'s (the student release's check() runs t
 cases); here are the hidden cases. Hung runs, the edge cases first: a rank that stopped while every recorder
 kept only its last entries (the ranks' lists start at different sequence numbers: read by position, the lists
 part at once), a rank that skipped to the next collective, one that issued other sizes, a rank that issued
-nothing at all; then two drawn on 4 to 8 ranks (another collective, the recorders keeping their last 6;
-other sizes). Uneven rows on 3 ranks: step 0 with one rank empty (which one drawn), step 1 a short batch of
-drawn rows.
+nothing at all; then two drawn on 4 to 8 ranks (another collective past what the recorders keep, their last
+6; other sizes). Uneven rows on 3 ranks: step 0 with one rank empty (which one drawn), step 1 a short batch
+of drawn rows.
 """
 
 from __future__ import annotations
@@ -44,10 +44,9 @@ def hangs(seed: int) -> list[Hang]:
         Hang(_program(r, 6), n, r.randrange(n), STOPPED, 1),
     ]
     for cause, kept in ((OTHER_COLLECTIVE, 6), (OTHER_SIZES, None)):
-        world, length = r.randrange(4, 9), r.randrange(8, 40)
-        cases.append(
-            Hang(_program(r, length), world, r.randrange(world), cause, r.randrange(2, length), kept)
-        )
+        world, length = r.randrange(4, 9), r.randrange(10, 40)
+        at = r.randrange(kept + 2 if kept else 2, length)  # with a ring: past what it keeps
+        cases.append(Hang(_program(r, length), world, r.randrange(world), cause, at, kept))
     return cases
 
 
