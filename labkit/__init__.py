@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from labkit.rank_output import quiet_deepspeed_logger
+
 __all__ = ["launch", "LaunchError", "LaunchTimeout"]
 __version__ = "0.1.0"
 # The Jupyter kernel the set-up registers (`make lab`, binder/postBuild) and every committed notebook names.
 KERNEL_NAME = "labkit"
+quiet_deepspeed_logger()  # before anything of labkit imports DeepSpeed, which logs its accelerator choice
 
 
 def __getattr__(name: str) -> Any:

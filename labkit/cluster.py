@@ -61,6 +61,7 @@ from labkit.rank_output import (
     collective_hint,
     fold_native_frames,
     native_failure,
+    shown_in_cell,
     tail_text,
     user_frame,
 )
@@ -217,7 +218,8 @@ class _Run:
                 logs_specs=DefaultLogsSpecs(log_dir=os.path.join(self.dir, "elastic"), redirects=Std.NONE),
                 start_method=self.where.start_method,
             )
-            tail = TailLog("labkit", logs, sys.stdout, {r: f"[rank {r}] " for r in range(n)}).start()
+            prefixes = {r: f"[rank {r}] " for r in range(n)}
+            tail = TailLog("labkit", logs, sys.stdout, prefixes, log_line_filter=shown_in_cell).start()
             return self._wait(pc)
         except SignalException as e:
             raise KeyboardInterrupt(f"interrupted by signal {e.sigval}; the {n} ranks were stopped") from None

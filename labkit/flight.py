@@ -2,7 +2,7 @@
 
 `record(fn, world_size, *args, dump_dir=DIR)` runs `fn` through `labkit.launch` with the recorder on
 (`TORCH_FR_BUFFER_SIZE`): every rank dumps its entries to `DIR/rank_<r>` when `fn` returns or raises, and,
-for a run that hangs, `dump_after_s` seconds after it began, before the launch's timeout stops it. It
+for a run that hangs, every `dump_after_s` seconds while it runs, until the launch's timeout stops it. It
 returns a `Flight`: the ranks' results or the launch's error, the dumps, and what the analysis found.
 
 `analyse(DIR)` is torch's `fr_trace` on the dumps (its report, as text) beside the lab's one-line reading
@@ -59,20 +59,25 @@ def _dump(dump_dir: str, rank: int) -> None:
 
 
 def _recorded_rank(fn: Callable, dump_dir: str, dump_after_s: float | None, *args: Any, **kwargs: Any) -> Any:
-    """On each rank: `fn`, the recorder's entries dumped when it ends (and after `dump_after_s`, for a hang)."""
+    """On each rank: `fn`, the recorder's entries dumped when it ends (and every `dump_after_s`, for a hang)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    timer = threading.Timer(dump_after_s, _dump, (dump_dir, rank)) if dump_after_s else None
-    if timer is not None:
-        timer.daemon = True
-        timer.start()
+    done, writing = threading.Event(), threading.Lock()  # one writer of the dump at a time
+
+    def dump_while_running() -> None:  # the last dump before a timeout shows where a hung rank waits
+        while not done.wait(dump_after_s):
+            with writing:
+                _dump(dump_dir, rank)
+
+    if dump_after_s:
+        threading.Thread(target=dump_while_running, daemon=True).start()
     try:
         return fn(*args, **kwargs)
     finally:
-        if timer is not None:
-            timer.cancel()
-        _dump(dump_dir, rank)
+        done.set()
+        with writing:
+            _dump(dump_dir, rank)
 
 
 def record(
@@ -86,8 +91,9 @@ def record(
 ) -> Flight:
     """Run `fn(*args, **kwargs)` on `world_size` ranks under the flight recorder; its `Flight`.
 
-    `dump_dir`: a folder for the dumps (made; earlier dumps in it removed). `dump_after_s`: seconds after
-    which each rank also dumps while still running (a hang's only dump; set it below `timeout`). A launch
+    `dump_dir`: a folder for the dumps (made; earlier dumps in it removed). `dump_after_s`: each rank also
+    dumps every this many seconds while it runs (a hang's only dumps, the last before the timeout read; set
+    it below `timeout`). A launch
     that fails or times out is not raised: its error is in the `Flight`, beside the analysis of the dumps.
     """
     if dump_after_s is not None and not 0 < dump_after_s < timeout:
@@ -172,9 +178,14 @@ def analyse(dump_dir: str | Path) -> dict[str, Any]:
     text = io.StringIO()
     logger = logging.getLogger("Flight Recorder")  # torch's analyser reports here, and on stdout
     handlers, propagate = logger.handlers[:], logger.propagate
-    logger.handlers, logger.propagate = [logging.StreamHandler(text)], False
+    logger.handlers, logger.propagate = [], False
     try:
-        with contextlib.redirect_stdout(text):  # its import says "tabulate is not installed" there
+        # its logger's first use adds a handler on stderr, once per process: made here, then dropped
+        from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
+
+        FlightRecorderLogger()
+        logger.handlers = [logging.StreamHandler(text)]
+        with contextlib.redirect_stdout(text):  # its import says "tabulate is not installed"
             from torch.distributed.flight_recorder.components.builder import build_db
             from torch.distributed.flight_recorder.components.config_manager import JobConfig
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import LogLocator, NullLocator, StrMethodFormatter
 
 from labkit.budget import MEMORY_TERMS
 from labkit.names import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER
@@ -583,9 +584,17 @@ def roofline(rows: Sequence[dict], measured: dict, closed_form: dict | None, *, 
     ax.axvline(measured["tokens_per_rank"], color="#C44E52", alpha=0.5, label="measured crossover T_x")
     if closed_form is not None:
         ax.axvline(closed_form["tokens_per_rank"], color="#4C72B0", alpha=0.5, label="closed form T*")
-    ax.set_xscale("log")
+    _tokens_axis(ax)
     ax.set_xlabel("tokens per rank per step")
     ax.set_ylabel("ms per step")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_title("When prefetch hides the link")
     return fig
+
+
+def _tokens_axis(ax) -> None:
+    """Log x in plain token counts at powers of two, as many as fit (log minor labels, 3x10^2..., overlap)."""
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(LogLocator(base=2))
+    ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    ax.xaxis.set_minor_locator(NullLocator())

@@ -5,7 +5,8 @@ cell that measures calls `guess.reveal(measured, formula=..., mistake=...)`, whi
 the prediction and by how much they differ, the formula beside the measurement, and the usual mistake
 when a prediction was entered and missed. Under papermill ("Run All" with the box empty) nobody typed: the
 reveal says no prediction was entered and shows the measurement and the formula, nothing about mistakes.
-A plain number works too: `predict(question, unit, value=1.5e6)`.
+A plain number works too: `predict(question, unit, value=1.5e6)`. A cause is predicted as a choice:
+`predict(question, choices=(...))` shows the options; its reveal takes the right option's number (from 1).
 `self_check_html(items)` is the other kind of question: a list whose answers open on a click.
 """
 
@@ -96,6 +97,7 @@ class Reveal:
     mistake: str = ""
     source: str = "measured"  # or "computed" (by labkit.budget), said before the number
     spread: tuple[float, float, int] | None = None  # (q1, q3, repeats) of a repeated measurement
+    choices: tuple[str, ...] = ()  # a choice: `measured` and `predicted` are option numbers, from 1
 
     @property
     def ratio(self) -> float | None:
@@ -115,6 +117,8 @@ class Reveal:
         return format_quantity(value, self.unit)
 
     def lines(self) -> list[str]:
+        if self.choices:
+            return self._choice_lines()
         q = self._q
         out = [f"{self.question}: {self.source} {q(self.measured)}{self._spread_text()}."]
         if self.predicted is None:
@@ -135,6 +139,19 @@ class Reveal:
                 ratio = self.measured / self.formula if self.formula else None
                 agree = f"{self.source} / formula = {ratio:.4g}" if ratio is not None else ""
             out.append(f"{label}{q(self.formula)}: {agree}.".replace(": .", "."))
+        if self.mistake and self.predicted is not None and not self.right:
+            out.append(f"The usual mistake: {self.mistake}")
+        return out
+
+    def _choice_lines(self) -> list[str]:
+        def said(number: float) -> str:
+            return f"({number:g}) {self.choices[int(number) - 1]}"
+
+        out = [f"{self.question}: {self.source} {said(self.measured)}."]
+        if self.predicted is None:
+            out.append("No prediction entered (choose one above, then run this cell again).")
+        else:
+            out.append(f"You chose {said(self.predicted)}: {'right' if self.right else 'not this one'}.")
         if self.mistake and self.predicted is not None and not self.right:
             out.append(f"The usual mistake: {self.mistake}")
         return out
@@ -165,27 +182,36 @@ class Reveal:
 class Prediction:
     """A learner's prediction: typed into a small widget, or given as `value`; None until entered."""
 
-    def __init__(self, question: str, unit: str = "", value: float | None = None):
+    def __init__(
+        self, question: str, unit: str = "", value: float | None = None, choices: tuple[str, ...] = ()
+    ):
         self.question = question
         self.unit = unit
         self._given = value
         self._box = None
+        self.choices = tuple(choices)
 
     @property
     def value(self) -> float | None:
         """The predicted number (unit `self.unit`), or None when nothing was entered."""
         if self._given is not None:
             return float(self._given)
+        if self.choices:
+            picked = self._box.value if self._box is not None else None
+            return None if picked is None else float(self._box.options.index(picked) + 1)
         return parse_number(self._box.value, self.unit) if self._box is not None else None
 
     def widget(self):
         """The text box with the question above it and the unit beside it (ipywidgets)."""
         import ipywidgets as W
 
+        if self.choices and self._box is None:
+            options = [f"({i}) {c}" for i, c in enumerate(self.choices, 1)]
+            self._box = W.RadioButtons(options=options, value=None, layout=W.Layout(width="auto"))
         if self._box is None:
             self._box = W.Text(placeholder="your prediction", layout=W.Layout(width="14em"))
         label = W.HTML(f"<b>Predict.</b> {html.escape(self.question)}")
-        return W.VBox([label, W.HBox([self._box, W.Label(self.unit)])])
+        return W.VBox([label, self._box if self.choices else W.HBox([self._box, W.Label(self.unit)])])
 
     def reveal(
         self,
@@ -221,13 +247,14 @@ class Prediction:
             mistake,
             source,
             spread,
+            self.choices,
         )
         _show(shown)
         return _Shown(shown)
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = self.widget()._repr_mimebundle_(**kwargs) or {}
-        bundle["text/plain"] = f"Predict: {self.question} [{self.unit}]"
+        bundle["text/plain"] = f"Predict: {self.question}" + (f" [{self.unit}]" if self.unit else "")
         return bundle
 
 
@@ -241,12 +268,15 @@ class _Shown(Reveal):
         pass
 
 
-def predict(question: str, unit: str = "", value: float | None = None) -> Prediction:
+def predict(
+    question: str, unit: str = "", value: float | None = None, choices: tuple[str, ...] = ()
+) -> Prediction:
     """Ask the learner to predict a number before it is measured; display the returned Prediction.
 
     In a cell tagged `predict`, `guess = predict("Bytes one rank sends", "B")` then `guess` shows the box.
+    With `choices` (a cause among a few) the box is a list of options and `value` the chosen one's number.
     """
-    return Prediction(question, unit, value)
+    return Prediction(question, unit, value, choices)
 
 
 def _show(reveal: Reveal) -> None:

@@ -1,10 +1,12 @@
-"""What a failed rank's output says: the C++ exception behind an abort, where the rank's own code was, the
-sentence for collectives that did not match, and torch's C++ frames folded to one line (`labkit.cluster`
-turns these into the one exception a launch raises).
+"""What a rank's output says: for a failed rank, the C++ exception behind an abort, where the rank's own code
+was, the sentence for collectives that did not match, and torch's C++ frames folded to one line
+(`labkit.cluster` turns these into the one exception a launch raises); for every rank, which lines reach the
+notebook's cell (`shown_in_cell`: all but DeepSpeed's chatter, which stays in the rank's log file).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -12,6 +14,13 @@ from collections.abc import Sequence
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _WHAT = re.compile(r"what\(\):\s*(.+)")  # std::terminate's line: the C++ exception's message
 _MISMATCH = ("doesn't match expected size", "collective mismatch")
+DEEPSPEED_LOGGER = "DeepSpeed"  # the logger `deepspeed.utils.logger` writes to stdout with
+# DeepSpeed's chatter: its logger's records below ERROR ("[date time] [WARNING] [file.py:line:function] ...") and
+# the line its communication op prints each time a rank loads it.
+_DEEPSPEED_CHATTER = re.compile(
+    r"\[\d{4}-\d\d-\d\d [\d:,]+\] \[(?:DEBUG|INFO|WARNING)\] \[[^\]]*\.py:\d+:\w*\] "
+    r"|DeepSpeed \S+ built successfully$"
+)
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote process exited")
 
 
@@ -71,3 +80,26 @@ def tail_text(path: str, max_lines: int) -> str:
             return "".join(f.readlines()[-max_lines:]).rstrip()
     except OSError:
         return ""
+
+
+def shown_in_cell(line: str) -> bool:
+    """Whether a line a rank printed is shown in the caller's output: every line but DeepSpeed's chatter (its
+    logger's DEBUG, INFO and WARNING records, its op's "built successfully"); its ERROR records, tracebacks and
+    the rank's own prints always are. A failure's report reads the rank's whole log file, chatter included."""
+    return not _DEEPSPEED_CHATTER.match(line)
+
+
+class _ErrorsOnly(logging.Filter):
+    """Passes a record at ERROR or above: what DeepSpeed's logger prints once `quiet_deepspeed_logger` ran."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+def quiet_deepspeed_logger() -> None:
+    """Keep DeepSpeed's logger in this process to its errors: its WARNING and INFO records (the accelerator it
+    picked as it is imported, its configuration) are chatter in a notebook cell. Safe to call before DeepSpeed
+    is imported (the filter outlives the level DeepSpeed then sets) and more than once."""
+    logger = logging.getLogger(DEEPSPEED_LOGGER)
+    if not any(isinstance(f, _ErrorsOnly) for f in logger.filters):
+        logger.addFilter(_ErrorsOnly())

@@ -4,8 +4,10 @@ It holds the notebooks, the pristine exercises, the docs a student reads and the
 import, with no `solutions/` and none of the grader's checks (`labkit/grading/checks/ex*.py`: their hidden
 cases and the judges that compute reference answers); there `check()` runs the public checks
 (`labkit.grading.public`). Every `build` cell of the notebooks becomes its stub (`metadata.labkit.stub`):
-the learner writes it. Before the release is done, every file is searched for every line of answer code:
-the lines of the solutions' answer cells and of the filled build cells that their stubs do not show.
+the learner writes it. Each cheat sheet is written with its figure filled as `labkit slides` fills it, from
+executed copies of the notebooks when given (papermill's), else saying which run prints it. Before the release
+is done, every file is searched for every line of answer code: the lines of the solutions' answer cells and
+of the filled build cells that their stubs do not show.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ On your own machine: `make lab` (Python 3.11, a few GB for torch and DeepSpeed).
 """
 
 
-def release_student(out: Path) -> list[Path]:
-    """Write the student release into `out` (new, empty, or an earlier release); returns the files written."""
+def release_student(out: Path, executed: Path | None = None) -> list[Path]:
+    """Write the student release into `out` (new, empty, or an earlier release); returns the files written.
+    `executed`: a folder of executed copies of the course notebooks, whose outputs fill the cheat sheets."""
     out = Path(out)
     _clear(out)
     root = course_dir()
@@ -70,6 +73,8 @@ def release_student(out: Path) -> list[Path]:
         elif src.is_file():
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, out / name)
+    fill_cheatsheets(out / "docs" / "cheatsheets", out / "notebooks", executed)
+    copy_course_times(root, out)
     for path in sorted((out / "notebooks").glob("*.ipynb")):
         stub_build_cells(path)
     shutil.copytree(PACKAGE_DIR, out / "labkit", ignore=JUNK)
@@ -96,6 +101,42 @@ def _clear(out: Path) -> None:
     for path in out.iterdir():
         if path.name not in KEPT:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+# A sheet's figure where no executed notebook was given: the notebook's own run prints it.
+UNRUN_FIGURE = "_the line your run of the notebook prints, from the cell named below_"
+
+
+def fill_cheatsheets(sheets: Path, notebooks: Path, executed: Path | None = None) -> None:
+    """Fill each cheat sheet `NN_name.md` in `sheets` in place, as `labkit slides` does (`cheatsheet_markdown`):
+    from `executed`'s copy of notebook `NN_name.ipynb` when it has one, else from `notebooks`' (unexecuted: the
+    sheet says where its figure is printed)."""
+    from labkit.slides import cheatsheet_markdown
+
+    for sheet in sorted(sheets.glob("[0-9][0-9]_*.md")):
+        name = f"{sheet.stem}.ipynb"
+        ran = executed / name if executed is not None and (executed / name).is_file() else notebooks / name
+        nb = nbformat.read(ran, as_version=NOTEBOOK_VERSION) if ran.is_file() else nbformat.v4.new_notebook()
+        sheet.write_text(cheatsheet_markdown(sheet.read_text(), nb, UNRUN_FIGURE))
+
+
+COURSE_TIMES_NOTE = (
+    "Copied by `labkit release` from the instructor's copy's benchmarks/results.md: how long the course "
+    'benchmark took to run each notebook, which its "runs in" line prints (`labkit.slides.runs_in`).'
+)
+
+
+def copy_course_times(root: Path, out: Path) -> None:
+    """Give the release the course benchmark's times (`labkit.slides.BENCHMARK_FILES`: the release has no
+    benchmarks/): the course section of `root`'s results, with its title, if it has one."""
+    from labkit.slides import BENCHMARK_FILES, course_section
+
+    results, copy = (Path(name) for name in BENCHMARK_FILES)
+    section = course_section((root / results).read_text()) if (root / results).is_file() else []
+    if section:
+        title, _, *times = section
+        (out / copy).parent.mkdir(parents=True, exist_ok=True)
+        (out / copy).write_text("\n".join([title, "", COURSE_TIMES_NOTE, "", *times]) + "\n")
 
 
 BUILD = "build"

@@ -30,8 +30,10 @@ the copies; so the output folder is self-contained: copy it anywhere, open `inde
 `reveal_url_prefix` (`--reveal-url-prefix`) to use another copy of reveal.js instead.
 
 The index page lists each deck's title and run time (rendered from their Markdown), how that time is known (one
-of `RUN_TIME_SOURCES`: measured in this build, measured by papermill in an executed copy, else the head of the
-notebook's own "How long" sentence), and its cheat sheet. The sheet, `<name>.cheatsheet.md` and
+of `RUN_TIME_SOURCES`: measured in this build, measured by papermill in an executed copy, measured by the course
+benchmark (`course_benchmark`: `benchmarks/results.md`, or the copy of its course section a student release
+carries), else the head of the notebook's own "How long" sentence), and its cheat sheet. A notebook's own
+"runs in" line is `runs_in(name)`, the same benchmark figure. The sheet, `<name>.cheatsheet.md` and
 `.cheatsheet.html` (printable), comes from `docs/cheatsheets/<name>.md`: the key formula, the figure to
 remember, the common mistake. Its `{{figure}}` becomes the line of the notebook's own output that its
 `<!-- figure: REGEX -->` finds, so a sheet built from an executed notebook quotes that run.
@@ -302,18 +304,22 @@ def figure_line(source: str, nb: nbformat.NotebookNode) -> str | None:
     return re.sub(r"\s+", " ", text[start : end if end >= 0 else len(text)]).strip()
 
 
-def cheatsheet_markdown(source: str, nb: nbformat.NotebookNode) -> str:
-    """The printable cheat sheet: `source` with its figure spec removed and `{{figure}}` filled from `nb`."""
+NO_OUTPUTS = (
+    "_this build has no outputs (the committed notebook): run it, or build with `labkit slides --execute`, to "
+    "quote the figure here_"
+)
+
+
+def cheatsheet_markdown(source: str, nb: nbformat.NotebookNode, no_outputs: str = NO_OUTPUTS) -> str:
+    """The printable cheat sheet: `source` with its figure spec removed and `{{figure}}` filled from `nb`, or
+    with `no_outputs` (Markdown) where `nb` was never run."""
     line = figure_line(source, nb)
     if line is not None:
         figure = f"`{line}` (this run's output)"
     elif output_text(nb).strip():
         figure = "_not found in this run's output: the notebook no longer prints the line this sheet quotes_"
     else:
-        figure = (
-            "_this build has no outputs (the committed notebook): run it, or build with "
-            "`labkit slides --execute`, to quote the figure here_"
-        )
+        figure = no_outputs
     return FIGURE_SPEC.sub("", source, count=1).replace(FIGURE_SLOT, figure)
 
 
@@ -400,21 +406,76 @@ class RunTime(NamedTuple):
 
 MEASURED_HERE = "measured in this build"
 MEASURED_BY_PAPERMILL = "measured by papermill"
+BENCHMARKED = "measured by the course benchmark"
 STATED = "stated by the notebook"
 NOT_STATED = "not stated"
-RUN_TIME_SOURCES = (MEASURED_HERE, MEASURED_BY_PAPERMILL, STATED, NOT_STATED)
+RUN_TIME_SOURCES = (MEASURED_HERE, MEASURED_BY_PAPERMILL, BENCHMARKED, STATED, NOT_STATED)
 STATED_HEAD_END = re.compile(r",\s|;\s|\s\(|[.!?]$")  # the duration ends where a clause or an aside begins
+# The course benchmark's results: the instructor's copy's, else the course section a student release copies.
+BENCHMARK_FILES = ("benchmarks/results.md", "docs/course_times.md")
+BENCHMARK_TITLE = re.compile(r"# Benchmarks \((?P<date>\d{4}-\d\d-\d\d), (?P<machine>.+)\)$")
+COURSE_SECTION = "## The course, end to end"
 
 
-def run_time_of(nb: nbformat.NotebookNode, executed_s: float | None = None) -> RunTime:
+def course_section(markdown: str) -> list[str]:
+    """The title line and the "The course, end to end" section of a benchmark results file ([] without both)."""
+    lines = markdown.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(COURSE_SECTION)), None)
+    if not lines or not BENCHMARK_TITLE.match(lines[0]) or start is None:
+        return []
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("#")), len(lines))
+    while end > start + 1 and not lines[end - 1].strip():
+        end -= 1
+    return [lines[0], "", *lines[start:end]]
+
+
+def benchmark_run_times(markdown: str) -> tuple[str, dict[str, int]]:
+    """(the run, "DATE on MACHINE"; {notebook file name: wall seconds papermill took}) from a benchmark results
+    file's course section; ("", {}) without one."""
+    section = course_section(markdown)
+    if not section:
+        return "", {}
+    title = BENCHMARK_TITLE.match(section[0])
+    found = (re.fullmatch(r"- (\S+\.ipynb): (\d+) s", line) for line in section)
+    return f"{title['date']} on {title['machine']}", {m[1]: int(m[2]) for m in found if m}
+
+
+def course_benchmark() -> tuple[str, dict[str, int]]:
+    """`benchmark_run_times` of the course's benchmark results (`BENCHMARK_FILES`, the first found)."""
+    from labkit.course import course_dir
+
+    try:
+        root = course_dir()
+    except ValueError:  # no course folder: nothing was benchmarked
+        return "", {}
+    found = next((root / name for name in BENCHMARK_FILES if (root / name).is_file()), None)
+    return benchmark_run_times(found.read_text(encoding="utf-8")) if found else ("", {})
+
+
+def runs_in(notebook: str) -> str:
+    """The notebook's "runs in" line: what the course benchmark measured for `notebook` (its file stem)."""
+    run, seconds = course_benchmark()
+    if f"{notebook}.ipynb" not in seconds:
+        return f"Runs in: not measured yet (the course benchmark has no time for {notebook})."
+    return (
+        f"Runs in about {seconds[notebook + '.ipynb']} s: what the course benchmark measured (papermill, its run "
+        f"of {run})."
+    )
+
+
+def run_time_of(
+    nb: nbformat.NotebookNode, executed_s: float | None = None, benchmarked_s: float | None = None
+) -> RunTime:
     """How long the notebook runs: `executed_s` (this build's execution, seconds), else the duration papermill
-    recorded in an executed copy, else the head of the notebook's own "How long" sentence (up to its first
-    clause or aside: "About half a minute on 2 CPU cores")."""
+    recorded in an executed copy, else `benchmarked_s` (the course benchmark's), else the head of the notebook's
+    own "How long" sentence (up to its first clause or aside: "About half a minute on 2 CPU cores")."""
     if executed_s is not None:
         return RunTime(f"{executed_s:.0f} s", MEASURED_HERE)
     recorded_s = nb.metadata.get("papermill", {}).get("duration")
     if recorded_s is not None:
         return RunTime(f"{recorded_s:.0f} s", MEASURED_BY_PAPERMILL)
+    if benchmarked_s is not None:
+        return RunTime(f"{benchmarked_s:.0f} s", BENCHMARKED)
     stated = STATED_RUN_TIME.search(nb.cells[0].source) if nb.cells else None
     if stated is None:
         return RunTime("", NOT_STATED)
@@ -501,6 +562,7 @@ def build(
     prefix = reveal_url_prefix or LOCAL_REVEAL_PREFIX
     copy_assets(out, reveal=reveal_url_prefix is None)
     decks, entries = [], []
+    benchmarked = course_benchmark()[1]
     for path in notebooks:
         start_s = time.perf_counter()
         nb = execute_notebook(path, timeout_s) if execute else nbformat.read(path, as_version=4)
@@ -517,7 +579,8 @@ def build(
             (out / f"{path.stem}.cheatsheet.md").write_text(sheet, encoding="utf-8")
             page = out / f"{path.stem}.cheatsheet.html"
             page.write_text(cheatsheet_html(sheet, title), encoding="utf-8")
-        entries.append(DeckEntry(deck.name, title, run_time_of(nb, executed_s), page and page.name))
+        run_time = run_time_of(nb, executed_s, benchmarked.get(path.name))
+        entries.append(DeckEntry(deck.name, title, run_time, page and page.name))
         log(f"{deck} ({time.perf_counter() - start_s:.1f} s)")
     (out / "index.html").write_text(index_html(entries), encoding="utf-8")
     return decks

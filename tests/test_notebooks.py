@@ -97,8 +97,8 @@ def test_cheat_sheet_types_no_figure(name):
     assert not typed, f"{name}'s cheat sheet types figures (quote them via its figure line): {typed[:4]}"
 
 
-def test_course_has_notebooks_00_to_08():
-    assert [n[:2] for n in ALL] == [f"{i:02d}" for i in range(9)]
+def test_course_has_notebooks_00_to_09():
+    assert [n[:2] for n in ALL] == [f"{i:02d}" for i in range(10)]
 
 
 # ------------------------------------------------------------------------------------------ execution

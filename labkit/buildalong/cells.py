@@ -1,4 +1,5 @@
-"""The learner's pieces as notebooks 02 and 03 hold them: their `build` cells run in a fresh namespace.
+"""The learner's pieces as notebooks 02 and 03 hold them: their `build` cells run in a fresh namespace; and
+`reset(piece)`, which puts a build cell back to its stub (`metadata.labkit.stub`) in the open notebook.
 
 In the instructor's copy the cells are filled, so this gives the pieces that pass every check (the tests
 plant mistakes into copies of them); in the student release it gives whatever the learner wrote, stubs
@@ -8,6 +9,8 @@ dist, `lab` (single's hyper-parameters) and `write_this_piece`, then the `build-
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -63,3 +66,64 @@ def unwritten_pieces(pieces: Pieces) -> list[str]:
         for name, fn in vars(pieces).items()
         if fn is None or "write_this_piece" in getattr(getattr(fn, "__code__", None), "co_names", ())
     ]
+
+
+_DEFINES = re.compile(r"^def (\w+)\(", re.M)
+SESSION_ENV = "JPY_SESSION_NAME"  # the open notebook's path, which Jupyter's server gives its kernel
+
+
+def build_stubs(notebooks_dir: Path | None = None) -> list[tuple[str, list[str], str]]:
+    """(notebook name, the functions its stub defines, the stub) of every `build` cell of the course's
+    notebooks, in course order; the stubs are what the student release puts in those cells."""
+    folder = notebooks_dir or course_path("notebooks")
+    found = []
+    for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            stub = cell.get("metadata", {}).get("labkit", {}).get("stub")
+            if BUILD in cell.get("metadata", {}).get("tags", []) and stub:
+                found.append((path.name, _DEFINES.findall(stub), stub.rstrip("\n")))
+    return found
+
+
+def stub_of(
+    piece: str, notebook: str | None = None, open_notebook: str = "", notebooks_dir: Path | None = None
+) -> str:
+    """The stub of the build cell that defines `piece`; `notebook` (its name, or its number: "03") or else the
+    notebook open in Jupyter (`open_notebook`, a path) picks one where two define it (02's and 03's
+    `before_forward`). ValueError, one sentence, when none or several do."""
+    cells = build_stubs(notebooks_dir)
+    named = [(nb, stub) for nb, defined, stub in cells if piece in defined]
+    if notebook:
+        named = [(nb, stub) for nb, stub in named if nb.startswith(Path(notebook).name[:2])]
+    opened = [(nb, stub) for nb, stub in named if nb == Path(open_notebook).name]
+    named = opened if len(named) > 1 and opened else named
+    if len(named) == 1:
+        return named[0][1]
+    if not named:
+        pieces = ", ".join(dict.fromkeys(f for _, defined, _ in cells for f in defined))
+        where = f" in notebook {notebook}" if notebook else ""
+        raise ValueError(f"no build cell defines {piece!r}{where}; the pieces are {pieces}")
+    numbers = " or ".join(f'"{nb[:2]}"' for nb, _ in named)
+    raise ValueError(f"{piece!r} is a build cell of more than one notebook: pass notebook={numbers}")
+
+
+def reset(piece: str, notebook: str | None = None) -> None:
+    """Put the build cell that defines `piece` back to its stub: typed into that cell and run, it replaces the
+    cell's text with the stub, as `%load` does (Jupyter, VS Code); with no notebook front end it prints the stub
+    to paste there. Where two notebooks define `piece`, `notebook` or the open one picks."""
+    stub = stub_of(piece, notebook, os.environ.get(SESSION_ENV, ""))
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        get_ipython = None
+    shell = get_ipython() if get_ipython is not None else None
+    if shell is not None and hasattr(shell, "set_next_input"):
+        shell.set_next_input(stub, replace=True)
+        print(
+            f"This cell now holds the stub of `{piece}` again: run it, so that your old `{piece}` is replaced by "
+            "the stub, then write the piece."
+        )
+    else:
+        print(
+            f"{stub}\n\n(the stub of `{piece}`: paste it over your build cell, run it, then write the piece)"
+        )

@@ -7,6 +7,8 @@ as prefetch moves bytes earlier, never more of them; "order:" in each pass, the 
 next was issued before this unit began computing and waited for only after that. The order is a log each rank
 keeps: when a moment starts, when it returns (the unit's compute begins), and when each all-gather is issued and
 waited for, charged to the unit whose shards it carries. A stub gets its "write this piece"; nothing raises.
+04's check (`offload_check`) shares its first and last steps: `your_02`, `stub_sentence`, `single_losses`,
+`train_steps`, `worst_rel`.
 """
 
 from __future__ import annotations
@@ -62,18 +64,11 @@ def check_prefetch(
 
 
 def _check(before_forward, before_backward, world_size, model, steps, link_gbytes, yours) -> CheckResult:
-    for moment in (before_forward, before_backward):
-        if (stub := _stub_sentence(moment)) is not None:
-            return CheckResult(STEP, False, stub)
-    plain = yours if yours is not None else pieces_from_notebook()
-    waiting = unwritten_pieces(plain)
-    if waiting:
-        return CheckResult(
-            STEP,
-            False,
-            f"your 02 still has {', '.join(waiting)} to write: this check runs your 02 engine with these two "
-            "moments in place of 02's; write them there (and pass their checks) first",
-        )
+    if (stub := stub_sentence(before_forward, before_backward)) is not None:
+        return CheckResult(STEP, False, stub)
+    plain, waiting = your_02(yours, "these two moments in place of 02's")
+    if plain is None:
+        return CheckResult(STEP, False, waiting)
     pieces = dataclasses.replace(plain, before_forward=before_forward, before_backward=before_backward)
     ranks, sentence = launched(
         _rank_prefetch,
@@ -94,17 +89,51 @@ def _check(before_forward, before_backward, world_size, model, steps, link_gbyte
     return verdict(ranks, model, world_size)
 
 
-def _stub_sentence(moment: Callable) -> str | None:
-    """The stub's own "write this piece" sentence when `moment` is a stub (it calls write_this_piece); else None."""
-    if "write_this_piece" not in getattr(getattr(moment, "__code__", None), "co_names", ()):
-        return None
-    try:
-        moment(None)
-    except NotWritten as e:
-        return unwritten(e)
-    except Exception:  # noqa: BLE001 - a written moment that also names write_this_piece: the ranks run it
-        return None
+def your_02(yours: Pieces | None, what: str) -> tuple[Pieces | None, str]:
+    """(the learner's 02 pieces, "") from `yours` or notebook 02's build cells; (None, the sentence naming the
+    pieces still to write there) while one is a stub. `what`: what the later check puts in place of 02's."""
+    plain = yours if yours is not None else pieces_from_notebook()
+    waiting = unwritten_pieces(plain)
+    if not waiting:
+        return plain, ""
+    return None, (
+        f"your 02 still has {', '.join(waiting)} to write: this check runs your 02 engine with {what}; write "
+        "them there (and pass their checks) first"
+    )
+
+
+def stub_sentence(*pieces: Callable) -> str | None:
+    """The first stub's own "write this piece" sentence among `pieces` and the functions of the learner's cells
+    they call by name (a stub calls write_this_piece), depth first; None when none is a stub."""
+    seen: set[int] = set()
+    for piece in pieces:
+        if (said := _stub_in(piece, seen)) is not None:
+            return said
     return None
+
+
+def _stub_in(fn: Callable, seen: set[int]) -> str | None:
+    code = getattr(fn, "__code__", None)
+    if code is None or id(fn) in seen:
+        return None
+    seen.add(id(fn))
+    if "write_this_piece" in code.co_names:
+        try:
+            fn(*[None] * code.co_argcount)
+        except NotWritten as e:
+            return unwritten(e)
+        except Exception:  # noqa: BLE001 - a written piece that also names write_this_piece: the ranks run it
+            return None
+        return None
+    named = getattr(fn, "__globals__", {})
+    called = [named[name] for name in _names(code) if inspect.isfunction(named.get(name))]
+    return next(filter(None, (_stub_in(f, seen) for f in called)), None)
+
+
+def _names(code) -> list[str]:
+    """The global names `code` and the functions and lambdas inside it use, in order."""
+    inner = [name for c in code.co_consts if inspect.iscode(c) for name in _names(c)]
+    return [*code.co_names, *inner]
 
 
 # ------------------------------------------------------------------------------------------------ ranks
@@ -208,18 +237,14 @@ def _rank_prefetch(pieces: Pieces, plain: Pieces, model: str, steps: int, link_g
             probes.comm.emulate_link(link_gbytes)
             probes.timeline.reset_clock()
             with Patch(GATHERS, log.wrap, outermost=True):
-                losses = _train(eng, model, steps, probes, log)
-        single = SingleEngine(build_model(model), cfg, info.device)
-        oracle = [
-            on_rank.timed_step(single, s, on_rank.rank_batch(s, model, 0, 1, 0, info.device))[0].item()
-            for s in range(steps)
-        ]
-        parted = torch.tensor([float(_worst(losses, oracle) > LOSS_RTOL)], device=info.device)
+                losses = train_steps(eng, model, steps, probes, log)
+        oracle = single_losses(cfg, info.device)
+        parted = torch.tensor([float(worst_rel(losses, oracle) > LOSS_RTOL)], device=info.device)
         dist.all_reduce(parted, op=dist.ReduceOp.MAX)  # every rank runs 02's moments alike, or none does
         plain_losses = None
         if parted.item():
             again = _learner("your 02 engine", Learner(plain).build, cfg, build_model(model), info)
-            plain_losses = _train(again, model, steps)
+            plain_losses = train_steps(again, model, steps)
     except _LearnerError as e:
         return {"error": e.text, "where": e.where, "line": e.line}
     return {
@@ -233,7 +258,16 @@ def _rank_prefetch(pieces: Pieces, plain: Pieces, model: str, steps: int, link_g
     }
 
 
-def _train(eng, model: str, steps: int, probes: Probes | None = None, log: _Log | None = None) -> list[float]:
+def single_losses(cfg: RunConfig, device: torch.device) -> list[float]:
+    """`single`'s loss at each of `cfg.steps` steps on the global batch: the oracle, computed on this rank."""
+    single = SingleEngine(build_model(cfg.model), cfg, device)
+    batches = (on_rank.rank_batch(s, cfg.model, 0, 1, 0, device) for s in range(cfg.steps))
+    return [on_rank.timed_step(single, s, data)[0].item() for s, data in enumerate(batches)]
+
+
+def train_steps(
+    eng, model: str, steps: int, probes: Probes | None = None, log: _Log | None = None
+) -> list[float]:
     """`steps` steps of `eng` on this rank's slices; the global mean loss of each (the mean outside the step)."""
     info = on_rank.rank_info()
     losses = []
@@ -256,7 +290,8 @@ def _unit_wire_bytes(unit) -> int:
     )
 
 
-def _worst(got: list[float], want: list[float]) -> float:
+def worst_rel(got: list[float], want: list[float]) -> float:
+    """The largest relative difference of `got` to `want`, step by step."""
     return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
 
 
@@ -271,7 +306,7 @@ def verdict(ranks: list[dict], model: str, n: int) -> CheckResult:
     figures = {
         "losses": r0["losses"],
         "oracle": r0["oracle"],
-        "loss_rel": _worst(r0["losses"], r0["oracle"]),
+        "loss_rel": worst_rel(r0["losses"], r0["oracle"]),
         "wire_bytes": {k: r0["comm"][0].get(k, {}).get("wire_bytes", 0) for k in formula},
         "formula_bytes": formula,
         "timeline": [e for r in ranks for e in r["timeline"]],
@@ -315,7 +350,7 @@ def _losses_said(r: dict) -> str | None:
         return None
     k = next(i for i, d in enumerate(diffs) if d > LOSS_RTOL)
     plain = r["plain_losses"]
-    if plain is not None and _worst(plain, r["oracle"]) > LOSS_RTOL:
+    if plain is not None and worst_rel(plain, r["oracle"]) > LOSS_RTOL:
         return (
             f"losses: your 02 engine parts from single's losses without prefetch too (step {k}): run 02's "
             "checks again, they name the piece"

@@ -228,10 +228,19 @@ class LearnerEngine:
         self.optimizer.step()  # after_grad sets every shard's .grad afresh: nothing to zero
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The shards, their grads, the optimizer's state; and the full parameters (0 B once freed)."""
+        """The shards, their grads, the optimizer's state; and the full parameters (0 B once freed). An optimizer
+        over host copies of the shards (notebook 04's offload: on the CPU, none of them a shard's storage) keeps
+        its copies, their grads and its state apart, as "host_optimizer"."""
         full = [p for unit in self.units for p in unit.params]
-        return {
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        own = [p for group in self.optimizer.param_groups for p in group["params"]]
+        device = {s.untyped_storage().data_ptr() for s in self.shards}
+        host = bool(own) and all(p.is_cpu and p.untyped_storage().data_ptr() not in device for p in own)
+        kept = {
             "params": [*self.shards, *full],
             "grads": [t.grad for t in [*self.shards, *full] if t.grad is not None],
-            "optimizer": [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)],
+            "optimizer": [] if host else state,
         }
+        return kept | (
+            {"host_optimizer": [*own, *(p.grad for p in own if p.grad is not None), *state]} if host else {}
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def register(subparsers) -> None:
@@ -16,6 +17,11 @@ def register(subparsers) -> None:
         "and push it as the repository the students' nbgitpuller links pull.",
     )
     p.add_argument("--student", metavar="OUT", required=True, help="the folder to write the release into")
+    p.add_argument(
+        "--executed",
+        metavar="DIR",
+        help="executed copies of the course notebooks (papermill's): their outputs fill the cheat sheets' figures",
+    )
     p.set_defaults(func=run)
 
 
@@ -25,8 +31,12 @@ def run(args: argparse.Namespace) -> int:
     from labkit.release import release_student
 
     out = writable_folder("release", "--student", args.student)
+    if args.executed and not Path(args.executed).is_dir():
+        raise UsageError(
+            f"labkit release: --executed {args.executed} is not a folder; pass the folder of executed notebooks"
+        )
     try:
-        files = release_student(out)
+        files = release_student(out, Path(args.executed) if args.executed else None)
     except OSError as e:
         raise UsageError(
             f"labkit release: --student {args.student}: cannot write there ({e.strerror}); pass a folder you can write"

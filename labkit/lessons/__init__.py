@@ -10,6 +10,8 @@
     overlap            prefetch off, on and on with no link, interleaved, and what they show (03)
     production         FSDP2's production surface: accumulation, clipping, meta init, export, resharding
     production_deepspeed  DeepSpeed's: gradient accumulation, torch.autocast, bf16 master weights
+    clinic             the debugging clinic's cases: each broken run, its fix, the evidence and the cause (09)
+    clinic_ranks       the clinic's FSDP2 cases on the ranks: accumulation, state dicts, tied weights, bf16
 
 They stand on `labkit.engines` and the probes; no engine imports them. Plots, tables, widgets and
 predictions, the other faces a notebook calls, are `labkit.plots`, `labkit.tables`, `labkit.widgets` and

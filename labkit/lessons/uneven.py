@@ -31,7 +31,7 @@ STOPPED, OTHER_COLLECTIVE, OTHER_SIZES = "stopped", "other collective", "other s
 CAUSES = (STOPPED, OTHER_COLLECTIVE, OTHER_SIZES)
 HANG_ROWS = ((7, 5, 0),)  # the reported run: the last step, 12 rows over 3 ranks, the third gets none
 EXAMPLE_ROWS = ((7, 5, 0), (3, 0, 2))  # exercise 09's own rows: one rank empty, then a short batch
-HANG_TIMEOUT_S, HANG_DUMP_S = 14.0, 8.0  # the reported run's launch: stopped after, dumped after (seconds)
+HANG_TIMEOUT_S, HANG_DUMP_S = 10.0, 3.0  # the reported run's launch: stopped after, dumped every (seconds)
 
 Call = tuple[str, tuple[tuple[int, ...], ...]]  # (collective, its input sizes)
 
