@@ -1,6 +1,6 @@
 """Side-by-side benchmarks of the engines: medians and ratios from one run, engines interleaved A B A B.
 
-    python benchmarks/run_all.py [--quick] [--no-course] [--out benchmarks/results.md]
+    python benchmarks/run_all.py [--quick] [--no-course | --course-only] [--out benchmarks/results.md]
 
 (`benchmarks/cpu_adam.py` and `benchmarks/slides.py` measure their one section alone and write it into the
 same file.)
@@ -35,6 +35,7 @@ from labkit.engines.loop import run, run_many
 from labkit.engines.on_rank import rank_info, timed_step
 from labkit.model import batch, build_model, count_params
 from labkit.probes import Probes, exposed_comm_s
+from labkit.slides import REMEASURED
 from labkit.tables import median_step_s, wire_bytes
 
 TARGETS = {
@@ -216,12 +217,44 @@ def course_seconds(jobs_dir: str) -> dict[str, float]:
     return out
 
 
+def course_lines(course: dict[str, float]) -> list[str]:
+    """The lines of the course section under its heading: each notebook's and the grading's seconds, the total."""
+    return [
+        *(f"- {k}: {v:.0f} s" for k, v in course.items()),
+        f"- total {sum(course.values()):.0f} s (target < {TARGETS['course s']:.0f} s)",
+    ]
+
+
+def course_only(out: str) -> int:
+    """Measure the course alone and put it in place of `out`'s course section, saying when it was measured."""
+    from sections import write_section
+
+    with tempfile.TemporaryDirectory() as jobs_dir:
+        course = course_seconds(jobs_dir)
+    note = REMEASURED.format(date=time.strftime("%Y-%m-%d"))
+    write_section(out, COURSE_HEADING, [COURSE_HEADING, "", note, "", *course_lines(course)])
+    print("\n".join(course_lines(course)))
+    return 0
+
+
+COURSE_HEADING = "## The course, end to end (papermill, one notebook at a time; then `labkit grade`)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and configurations")
     parser.add_argument("--no-course", action="store_true", help="leave out the course timing (minutes)")
+    parser.add_argument(
+        "--course-only",
+        action="store_true",
+        help="measure the course alone and replace only its section of --out (the rest stays as it was)",
+    )
     parser.add_argument("--out", default="benchmarks/results.md")
     args = parser.parse_args(argv)
+    if args.course_only and (args.no_course or args.quick):
+        parser.error("--course-only measures the course in full: pass it without --no-course and --quick")
+    if args.course_only:
+        return course_only(args.out)
     reps, steps = (2, 4) if args.quick else (3, 6)
     engines = ["scratch", "fsdp2", "deepspeed", "ddp"]
     lines = [
@@ -319,13 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_course and not args.quick:
         with tempfile.TemporaryDirectory() as jobs_dir:
             course = course_seconds(jobs_dir)
-        lines += [
-            "",
-            "## The course, end to end (papermill, one notebook at a time; then `labkit grade`)",
-            "",
-            *(f"- {k}: {v:.0f} s" for k, v in course.items()),
-            f"- total {sum(course.values()):.0f} s (target < {TARGETS['course s']:.0f} s)",
-        ]
+        lines += ["", COURSE_HEADING, "", *course_lines(course)]
 
     import cpu_adam  # this folder's own scripts (benchmarks/ is on sys.path when run_all.py runs)
     import slides

@@ -60,6 +60,7 @@ from labkit.rank_output import (
     PEER_LOST,
     collective_hint,
     fold_native_frames,
+    follow_streams,
     native_failure,
     shown_in_cell,
     tail_text,
@@ -473,8 +474,12 @@ def _redirect_output(path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    parent_stderr = sys.stderr
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    follow_streams(
+        sys.stdout, sys.stderr, {id(parent_stderr), id(sys.__stderr__)}
+    )  # loggers made in the parent
 
 
 def _track_collectives(path: str) -> None:

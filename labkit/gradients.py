@@ -16,6 +16,26 @@ GRAD_REL_TOL = 1e-4  # of the parameter's largest |gradient|: float32 sums in an
 GRAD_ABS_TOL = 1e-9  # and this much more: a gradient that is zero in exact arithmetic is float noise
 
 
+def single_steps(cfg, batches) -> tuple[list[float], dict[str, Any]]:
+    """`single` on `cfg`'s model and seed, one AdamW step per (tokens, targets) of `batches`: the loss of each
+    step, and the first step's full gradients (before its AdamW step) by parameter name."""
+    import torch
+
+    from labkit.engines.single import SingleEngine
+    from labkit.model import build_model
+
+    engine = SingleEngine(build_model(cfg.model, cfg.seed), cfg, torch.device("cpu"))
+    losses, grads = [], {}
+    for step, (tokens, targets) in enumerate(batches):
+        loss = engine.forward_loss(tokens, targets)
+        engine.backward(loss)
+        if step == 0:
+            grads = {name: p.grad.detach().clone() for name, p in engine.model.named_parameters()}
+        engine.optimizer_step()
+        losses.append(loss.item())
+    return losses, grads
+
+
 def single_grads(cfg) -> dict[str, Any]:
     """{parameter name: full gradient} of `single` at step 0 of `cfg` (its model, seed, global batch), before
     any optimizer step: the mean over the whole batch."""

@@ -103,3 +103,17 @@ def quiet_deepspeed_logger() -> None:
     logger = logging.getLogger(DEEPSPEED_LOGGER)
     if not any(isinstance(f, _ErrorsOnly) for f in logger.filters):
         logger.addFilter(_ErrorsOnly())
+
+
+def follow_streams(stdout, stderr, old_stderr: set[int]) -> None:
+    """Point every logging StreamHandler at this rank's `stderr` (those on a stream whose id is in `old_stderr`)
+    or `stdout` (the rest): a forked rank inherits the handlers made in the parent (DeepSpeed's, on whatever
+    sys.stdout was when it was imported: a notebook's or a test's stream object), which write where no one reads."""
+    loggers = [
+        logging.getLogger(),
+        *(lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)),
+    ]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if type(handler) is logging.StreamHandler:
+                handler.setStream(stderr if id(handler.stream) in old_stderr else stdout)

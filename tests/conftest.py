@@ -1,7 +1,8 @@
 """The fast lane's marker, and the fixture shared by the notebook tests: ONE papermill run per course notebook.
 
 `slow` marks every test of a module that starts ranks, kernels, notebooks, browsers or grading runs (SLOW_MODULES),
-every test that reads an executed notebook, and any test marked by hand: `make test-fast` (`pytest -m "not slow"`) runs the rest in a minute or two, for daily
+every test that asks for a fixture that launches (SLOW_FIXTURES: an executed notebook, the clinic's runs), and any test
+marked by hand: `make test-fast` (`pytest -m "not slow"`) runs the rest in a minute or two, for daily
 work; `make test` runs everything.
 
 `executed(name)` runs notebooks/<name> with papermill the first time any test asks for it (kernel `labkit`, cwd
@@ -10,7 +11,8 @@ executed copy; tests/test_notebooks.py and tests/test_claims.py both read those 
 executes each notebook once. The wall times are printed at the end of the session (and written to
 `notebook_times.json` in the session's temporary folder).
 
-`shared_grades` grades, once per session, every submission the collected modules registered with
+`student_release` is the session's one student release (`labkit release --student`), which the tests of the
+release's notebooks share. `shared_grades` grades, once per session, every submission the collected modules registered with
 tests/grading_batches.py (the capstone's and exercise 08's): one pair of `labkit grade` runs several modules read.
 """
 
@@ -41,6 +43,7 @@ SLOW_MODULES = {
     "test_probes", "test_production", "test_real_models", "test_release", "test_setup", "test_slides_browser",
     "test_timeline", "test_zero",
 }  # fmt: skip
+SLOW_FIXTURES = {"executed", "clinic_run"}
 
 _times: dict[str, float] = {}
 
@@ -51,7 +54,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or "executed" in item.fixturenames:
+        if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
 
 
@@ -69,6 +72,17 @@ def shared_grades(tmp_path_factory):
     import grading_batches
 
     return grading_batches.grade_registered(tmp_path_factory.mktemp("shared-grades"))
+
+
+@pytest.fixture(scope="session")
+def student_release(tmp_path_factory) -> Path:
+    """One `labkit release --student` of the session (it refuses a release whose files show an answer): read it
+    as it is, or copy it before writing in it as a learner would (`tests/release_helpers.py`)."""
+    from labkit.cli import main
+
+    out = tmp_path_factory.mktemp("student")
+    assert main(["release", "--student", str(out)]) == 0
+    return out
 
 
 @pytest.fixture(scope="session")

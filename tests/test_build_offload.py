@@ -6,20 +6,18 @@ The tests that start ranks or write a release are marked slow by hand (tests/con
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import nbformat
 import pytest
 import torch
-from release_helpers import executed_from_release
+from release_helpers import answer_lines_shown, executed_text, type_in_the_filled_cells
 
 from labkit.buildalong.cells import notebook_namespace
 from labkit.buildalong.offload_check import check_offload, check_offloads, formula
 from labkit.buildalong.stubs import NotWritten, write_this_piece
 from labkit.course import course_path
 from labkit.model import build_model
-from labkit.release import normalised_lines, telling
 
 slow = pytest.mark.slow
 NOTEBOOK = "notebooks/04_offload.ipynb"
@@ -224,60 +222,31 @@ def test_bytes_moved_for_nothing_fail_the_bytes_alone(planted):
 # ------------------------------------------------------------------------------------------------ the release
 
 
-@pytest.fixture(scope="module")
-def release(tmp_path_factory) -> Path:
-    from labkit.cli import main
-
-    out = tmp_path_factory.mktemp("student")
-    assert main(["release", "--student", str(out)]) == 0  # it refuses a release whose files show an answer
-    return out
-
-
 @slow
-def test_the_release_stubs_the_cell_and_shows_none_of_its_answer_lines(release: Path):
-    from labkit.release import file_text
-
-    cell = _build_cell()
-    theirs = {c["id"]: c for c in json.loads((release / NOTEBOOK).read_text())["cells"]}
-    assert "".join(theirs[cell.id]["source"]) == cell.metadata["labkit"]["stub"].rstrip("\n")
-    given = set(normalised_lines(cell.metadata["labkit"]["stub"]))
-    answer = {line for line in normalised_lines(cell.source) if telling(line) and line not in given}
+def test_the_release_stubs_the_cell_and_shows_none_of_its_answer_lines(student_release: Path):
+    answer, shown = answer_lines_shown(student_release, NOTEBOOK, _build_cell())
     assert len(answer) >= 6, answer
-    shown = [
-        f"{path.relative_to(release)}: {line}"
-        for path in sorted(p for p in release.rglob("*") if p.is_file() and ".git" not in p.parts)
-        for line in answer & set(normalised_lines(file_text(path)))
-    ]
     assert shown == []
-
-
-def _type_in_the_filled_cells(release: Path, notebook: str) -> None:
-    """The learner writes every build cell of `notebook` in the release: here, the instructor's filled cells."""
-    filled = {c["id"]: c["source"] for c in json.loads(course_path(notebook).read_text())["cells"]}
-    path = release / notebook
-    nb = json.loads(path.read_text())
-    for cell in nb["cells"]:
-        if "build" in cell["metadata"].get("tags", []):
-            cell["source"] = filled[cell["id"]]
-    path.write_text(json.dumps(nb))
 
 
 @slow
 def test_the_student_04_runs_on_its_stubs_and_measures_the_learners_own_engine(
-    release: Path, tmp_path: Path, monkeypatch
+    student_release: Path, tmp_path: Path, monkeypatch
 ):
     import shutil
 
     from labkit.buildalong.cells import NOTEBOOK as NOTEBOOK_02
 
-    release = Path(shutil.copytree(release, tmp_path / "student"))  # the learner's own copy, to write in
-    stubbed = "\n".join(executed_from_release(release, release / NOTEBOOK, monkeypatch, timeout_s=420))
+    release = Path(
+        shutil.copytree(student_release, tmp_path / "student")
+    )  # the learner's own copy, to write in
+    stubbed = executed_text(release, release / NOTEBOOK, monkeypatch)
     assert "✗ offload: write this piece: make_optimizer (" in stubbed
     assert "Not yet: your engine joins the table once the check above passes." in stubbed
     assert "scratch, offload" in stubbed  # labkit's measurement goes on
     for notebook in (NOTEBOOK_02, NOTEBOOK):  # their 02, then their 04
-        _type_in_the_filled_cells(release, notebook)
-    written = "\n".join(executed_from_release(release, release / NOTEBOOK, monkeypatch, timeout_s=420))
+        type_in_the_filled_cells(release, notebook)
+    written = executed_text(release, release / NOTEBOOK, monkeypatch)
     assert "✓ offload: AdamW's weights, m and v on the host" in written, written
     assert "Not yet" not in written
     assert "yours, offload" in written and "optimizer column 0 B" in written

@@ -6,19 +6,17 @@ write a release are marked slow by hand (tests/conftest.py lists whole modules).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import nbformat
 import pytest
-from release_helpers import executed_from_release
+from release_helpers import answer_lines_shown, executed_text, type_in_the_filled_cells
 
 import labkit
 from labkit.buildalong.cells import PREFETCH_NOTEBOOK, notebook_namespace, prefetch_namespace
 from labkit.buildalong.prefetch_check import check_prefetch
 from labkit.buildalong.stubs import NotWritten, write_this_piece
 from labkit.course import course_path
-from labkit.release import normalised_lines, telling
 
 slow = pytest.mark.slow
 FILLED = prefetch_namespace()  # 02's filled pieces, then 03's filled build cell over them
@@ -233,64 +231,30 @@ def test_a_gather_left_pending_into_the_next_step_fails_the_losses_and_names_bef
 # ------------------------------------------------------------------------------------------------ the release
 
 
-@pytest.fixture(scope="module")
-def release(tmp_path_factory) -> Path:
-    from labkit.cli import main
-
-    out = tmp_path_factory.mktemp("student")
-    assert main(["release", "--student", str(out)]) == 0  # it refuses a release whose files show an answer
-    return out
-
-
 @slow
-def test_the_release_stubs_the_cell_and_shows_none_of_its_answer_lines(release: Path):
-    from labkit.release import file_text
-
-    cell = _build_cell()
-    theirs = {c["id"]: c for c in json.loads((release / PREFETCH_NOTEBOOK).read_text())["cells"]}
-    assert "".join(theirs[cell.id]["source"]) == cell.metadata["labkit"]["stub"].rstrip("\n")
-    given = set(normalised_lines(cell.metadata["labkit"]["stub"]))
-    answer = {line for line in normalised_lines(cell.source) if telling(line) and line not in given}
+def test_the_release_stubs_the_cell_and_shows_none_of_its_answer_lines(student_release: Path):
+    answer, shown = answer_lines_shown(student_release, PREFETCH_NOTEBOOK, _build_cell())
     assert len(answer) >= 10, answer
-    shown = [
-        f"{path.relative_to(release)}: {line}"
-        for path in sorted(p for p in release.rglob("*") if p.is_file() and ".git" not in p.parts)
-        for line in answer & set(normalised_lines(file_text(path)))
-    ]
     assert shown == []
-
-
-def _executed_text(release: Path, path: Path, monkeypatch) -> str:
-    """Run `path` from the release (its kernel reading the release's 02); the printed text."""
-    return "\n".join(executed_from_release(release, path, monkeypatch, timeout_s=420))
-
-
-def _type_in_the_filled_cells(release: Path, notebook: str) -> None:
-    """The learner writes every build cell of `notebook` in the release: here, the instructor's filled cells."""
-    filled = {c["id"]: c["source"] for c in json.loads(course_path(notebook).read_text())["cells"]}
-    path = release / notebook
-    nb = json.loads(path.read_text())
-    for cell in nb["cells"]:
-        if "build" in cell["metadata"].get("tags", []):
-            cell["source"] = filled[cell["id"]]
-    path.write_text(json.dumps(nb))
 
 
 @slow
 def test_the_student_03_runs_on_its_stubs_and_checks_the_learners_own_engine(
-    release: Path, tmp_path: Path, monkeypatch
+    student_release: Path, tmp_path: Path, monkeypatch
 ):
     import shutil
 
     from labkit.buildalong.cells import NOTEBOOK
 
-    release = Path(shutil.copytree(release, tmp_path / "student"))  # the learner's own copy, to write in
-    stubbed = _executed_text(release, release / PREFETCH_NOTEBOOK, monkeypatch)
+    release = Path(
+        shutil.copytree(student_release, tmp_path / "student")
+    )  # the learner's own copy, to write in
+    stubbed = executed_text(release, release / PREFETCH_NOTEBOOK, monkeypatch)
     assert "✗ prefetch: write this piece: before_forward (" in stubbed
     assert "Not yet: your engine's timeline is drawn once the check above passes." in stubbed
     assert "prefetch on: step " in stubbed  # labkit's measurement goes on
     for notebook in (NOTEBOOK, PREFETCH_NOTEBOOK):  # their 02, then their 03
-        _type_in_the_filled_cells(release, notebook)
-    written = _executed_text(release, release / PREFETCH_NOTEBOOK, monkeypatch)
+        type_in_the_filled_cells(release, notebook)
+    written = executed_text(release, release / PREFETCH_NOTEBOOK, monkeypatch)
     assert "✓ prefetch: losses equal to single's over 3 steps" in written, written
     assert "Not yet" not in written

@@ -126,11 +126,10 @@ def test_the_benchmarks_course_section_is_read_and_run_time_prefers_a_measuremen
 # ------------------------------------------------------------------------------------------ the student release
 
 
-@pytest.fixture(scope="module")
-def student(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("student")
-    release.release_student(out)
-    return out
+@pytest.fixture
+def student(student_release: Path) -> Path:
+    """The session's one student release (tests/conftest.py)."""
+    return student_release
 
 
 def test_the_releases_cheat_sheets_hold_no_placeholder_and_say_where_the_figure_is(student: Path):

@@ -74,11 +74,10 @@ def _answer_code_lines() -> dict[str, str]:
     return {ln: where for ln, where in code if ln not in given and telling(ln)}
 
 
-@pytest.fixture(scope="module")
-def release(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("student")
-    assert main(["release", "--student", str(out)]) == 0
-    return out
+@pytest.fixture
+def release(student_release: Path) -> Path:
+    """The session's one student release (tests/conftest.py): read it; copy it to write in it."""
+    return student_release
 
 
 def test_release_holds_the_course_and_no_solutions_or_grader_checks(release: Path):
@@ -214,6 +213,7 @@ def test_the_release_refuses_a_course_whose_notebooks_show_an_answer(tmp_path: P
 
 
 def test_a_release_again_keeps_git_and_a_foreign_folder_is_refused(release: Path, tmp_path: Path, capsys):
+    release = Path(shutil.copytree(release, tmp_path / "again"))  # the session's release stays as it was
     (release / ".git").mkdir(exist_ok=True)
     (release / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     (release / "stale.txt").write_text("from an old release")

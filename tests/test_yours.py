@@ -1,18 +1,65 @@
 """Your engine from 02 in the later notebooks (labkit.buildalong.yours): read from 02's build cells, never
-replaced by labkit's while a piece is a stub, and said against single's losses and ZeRO-3's byte formula."""
+replaced by labkit's while a piece is a stub or fails its check (said before any run, naming the piece), and said
+against single's losses and ZeRO-3's byte formula."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import nbformat
+import planted
+import pytest
+import torch
+import torch.distributed as dist
+from planted import FILLED
 
-from labkit.buildalong.cells import NOTEBOOK
+from labkit.buildalong.cells import NOTEBOOK, pieces_from_notebook
 from labkit.buildalong.scaffold import Learner
-from labkit.buildalong.yours import NAME, beside, formula_wire_bytes, your_engine
+from labkit.buildalong.yours import NAME, beside, failing_pieces, formula_wire_bytes, your_engine
 from labkit.course import course_path
 
+PIECES = pieces_from_notebook()
+PLANTED = {  # the piece a mistake is in: (the pieces with it, the 02 check that fails, words of what it saw)
+    "shard": (
+        dataclasses.replace(PIECES, shard=lambda full, r, n: full.tensor_split(n)[r].clone()),
+        "shard",
+        "ceil(101/3) = 34",
+    ),
+    "gather": (
+        dataclasses.replace(
+            PIECES,
+            gather=lambda s, d0, group=None: FILLED["gather"](
+                s, s.shape[0] * dist.get_world_size(group), group
+            ),
+        ),
+        "gather",
+        "first d0 = 101",
+    ),
+    "after_forward": (
+        dataclasses.replace(PIECES, after_forward=lambda unit: None),
+        "forward",
+        "free them in after_forward",
+    ),
+    "before_backward": (
+        dataclasses.replace(PIECES, before_backward=lambda unit: None),
+        "backward",
+        "gather them again in before_backward",
+    ),
+    "after_grad": (
+        dataclasses.replace(PIECES, after_grad=planted.after_grad(divide=False)),
+        "reduce_scatter",
+        "after_grad did not divide by n",
+    ),
+    "make_optimizer": (
+        dataclasses.replace(PIECES, make_optimizer=lambda shards: torch.optim.AdamW(shards)),
+        "adamw",
+        "not the lab's betas=(0.9, 0.95), weight_decay=0.1",
+    ),
+}
 
+
+@pytest.mark.slow  # a launch of 3 ranks
 def test_the_filled_02_gives_an_engine_named_yours():
     learner, waiting = your_engine()
     assert isinstance(learner, Learner) and learner.name == NAME and waiting == ""
@@ -28,6 +75,31 @@ def test_a_stub_in_02_names_the_piece_and_gives_no_engine(tmp_path: Path):
     nbformat.write(nb, tmp_path / "02.ipynb")
     learner, waiting = your_engine(tmp_path / "02.ipynb")
     assert learner is None and waiting.startswith("Your 02 still has after_grad to write")
+
+
+@pytest.mark.slow  # a launch of 3 ranks
+def test_before_any_run_a_wrong_piece_is_named_with_the_02_check_to_run_again():
+    # The correct pieces and one mistake in each piece, all checked in one launch of 3 ranks.
+    said = dict(
+        zip(
+            ["correct", *PLANTED], failing_pieces([PIECES, *(p for p, _, _ in PLANTED.values())]), strict=True
+        )
+    )
+    assert said.pop("correct") == ""
+    for piece, sentence in said.items():
+        _, step, words = PLANTED[piece]
+        assert f"`{piece}`" in sentence.split(" fail")[0] and f"02's `{step}` check" in sentence, sentence
+        assert words in sentence and sentence.endswith("run that check cell again.") and "\n" not in sentence
+
+
+@pytest.mark.slow  # a launch of 3 ranks
+def test_a_wrong_piece_in_02_gives_no_engine(tmp_path: Path):
+    nb = nbformat.read(course_path(NOTEBOOK), as_version=4)
+    (cell,) = [c for c in nb.cells if "build" in c.metadata.get("tags", []) and "def after_grad" in c.source]
+    cell.source = cell.source.replace("s.grad = summed / unit.n", "s.grad = summed")
+    nbformat.write(nb, tmp_path / "02.ipynb")
+    learner, said = your_engine(tmp_path / "02.ipynb")
+    assert learner is None and said.startswith("Your `after_grad` fails 02's `reduce_scatter` check"), said
 
 
 def test_the_formula_is_two_gathers_and_one_scatter_of_the_padded_parameters():

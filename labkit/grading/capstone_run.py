@@ -69,22 +69,11 @@ def _unit_shapes(model: str) -> dict[str, list[tuple[tuple[int, ...], str]]]:
 @functools.cache
 def _single_run(run: Run) -> tuple[tuple[float, ...], dict]:
     """`single` on the run's model: the loss of every step and the full gradients of the first."""
-    import torch
-
-    from labkit.engines.single import SingleEngine
-    from labkit.model import batch, build_model
+    from labkit.gradients import single_steps
+    from labkit.model import batch
 
     cfg = run.config()
-    engine = SingleEngine(build_model(cfg.model, cfg.seed), cfg, torch.device("cpu"))
-    losses, grads = [], {}
-    for step in range(cfg.steps):
-        tokens, targets = batch(step, cfg.model, cfg.seed)
-        loss = engine.forward_loss(tokens, targets)
-        engine.backward(loss)
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in engine.model.named_parameters()}
-        engine.optimizer_step()
-        losses.append(loss.item())
+    losses, grads = single_steps(cfg, (batch(step, cfg.model, cfg.seed) for step in range(cfg.steps)))
     return tuple(losses), grads
 
 

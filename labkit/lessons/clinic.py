@@ -423,6 +423,32 @@ def deepspeed_table(facts: dict[str, Any]) -> str:
     return tables.fixed_width(rows, rule=True)
 
 
+def buffers_figure(facts: dict[str, Any]):
+    """Each way's peak bytes per rank (`deepspeed_buffers`), one bar each on a log axis: the reduce bucket at its
+    default against the parameters' own bytes."""
+    import matplotlib.pyplot as plt
+
+    from labkit import plots  # noqa: F401 (a bare Figure shows as a PNG in a notebook)
+
+    labels = [name if name == FSDP2 else f"ZeRO-3,\n{name}" for name in facts]
+    peaks = [got["peak_bytes"] for got in facts.values()]
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    ax.barh(range(len(peaks)), peaks, color=["#c0392b" if p == max(peaks) else "#2e86c1" for p in peaks])
+    ax.set_yticks(range(len(peaks)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("peak live tensor bytes per rank, one step (B, log scale)")
+    for y, peak in enumerate(peaks):
+        ax.annotate(
+            f"{peak:,} B", (peak, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
+        )
+    ax.set_xlim(min(peaks) / 2, max(peaks) * 20)
+    ax.set_title("DeepSpeed's default reduce bucket against the model")
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
 def show_figures(figures: dict[str, Any]) -> None:
     """Display every case's facts as JSON (one output the tests read), with a line of text beside it."""
     from IPython.display import display

@@ -139,21 +139,13 @@ def single_uneven(
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """`single` on the same rows: the loss of each step over all sum(rows[s]) sequences, and the first
     step's full gradients (the mean over those sequences), by parameter name."""
-    from labkit.engines.single import SingleEngine
-    from labkit.model import batch, build_model
+    from labkit.gradients import single_steps
+    from labkit.model import batch
 
     cfg = RunConfig(model=MODEL, world_size=1, steps=len(rows), seed=seed)
-    engine = SingleEngine(build_model(MODEL, seed), cfg, torch.device("cpu"))
-    losses, grads = [], {}
-    for step, split in enumerate(rows):
-        tokens, targets = (t[: sum(split)] for t in batch(step, MODEL, seed))
-        loss = engine.forward_loss(tokens, targets)
-        engine.backward(loss)
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in engine.model.named_parameters()}
-        engine.optimizer_step()
-        losses.append(loss.item())
-    return losses, grads
+    return single_steps(
+        cfg, ([t[: sum(split)] for t in batch(step, MODEL, seed)] for step, split in enumerate(rows))
+    )
 
 
 def hang_run(dump_dir: str | Path, rows: Sequence[Sequence[int]] = HANG_ROWS) -> Flight:
