@@ -1,9 +1,9 @@
 """The fast lane's marker, and the fixture shared by the notebook tests: ONE papermill run per course notebook.
 
 `slow` marks every test of a module that starts ranks, kernels, notebooks, browsers or grading runs (SLOW_MODULES),
-every test that asks for a fixture that launches (SLOW_FIXTURES: an executed notebook, the clinic's runs), and any test
-marked by hand: `make test-fast` (`pytest -m "not slow"`) runs the rest in a minute or two, for daily
-work; `make test` runs everything.
+every test that asks for a fixture that launches (SLOW_FIXTURES: an executed notebook, the clinic's runs, the shared
+grading run), and any test marked by hand: `make test-fast` (`pytest -m "not slow"`) runs the rest in a minute or
+two, for daily work; `make test` runs everything.
 
 `executed(name)` runs notebooks/<name> with papermill the first time any test asks for it (kernel `labkit`, cwd
 notebooks/, a per-notebook timeout, two busy neighbours at nice 19 beside it: `labkit.neighbours`) and returns the
@@ -43,7 +43,7 @@ SLOW_MODULES = {
     "test_probes", "test_production", "test_real_models", "test_release", "test_setup", "test_slides_browser",
     "test_timeline", "test_zero",
 }  # fmt: skip
-SLOW_FIXTURES = {"executed", "clinic_run"}
+SLOW_FIXTURES = {"executed", "clinic_run", "shared_grades"}
 
 _times: dict[str, float] = {}
 
