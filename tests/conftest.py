@@ -2,7 +2,8 @@
 
 `slow` marks every test of a module that starts ranks, kernels, notebooks, browsers or grading runs (SLOW_MODULES),
 every test that asks for a fixture that launches (SLOW_FIXTURES: an executed notebook, the clinic's runs, the shared
-grading run), and any test marked by hand: `make test-fast` (`pytest -m "not slow"`) runs the rest in a minute or
+grading run), and any test marked by hand; `fast` marks a test that starts no process in a module that does (it stays
+in the fast lane): `make test-fast` (`pytest -m "not slow"`) runs the rest in a minute or
 two, for daily work; `make test` runs everything.
 
 `executed(name)` runs notebooks/<name> with papermill the first time any test asks for it (kernel `labkit`, cwd
@@ -50,10 +51,15 @@ _times: dict[str, float] = {}
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes; `make test-fast` leaves it out")
+    config.addinivalue_line(
+        "markers", "fast: starts no process, though its module does; `make test-fast` runs it"
+    )
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
+        if item.get_closest_marker("fast"):
+            continue
         if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
 

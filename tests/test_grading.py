@@ -1186,6 +1186,7 @@ def test_the_sandbox_hides_the_solutions_where_it_would_see_them(tmp_path, monke
     assert said == "['exercises', 'solutions'] ['exercises']", said
 
 
+@pytest.mark.fast  # in this process: no rank, no kernel
 def test_check_in_the_students_kernel_says_what_to_run_again_after_a_restart(capsys):
     from labkit.grading import feedback
 
@@ -1197,6 +1198,7 @@ def test_check_in_the_students_kernel_says_what_to_run_again_after_a_restart(cap
     assert any("`min_ranks_to_fit` not defined" in line for line in missing), out
 
 
+@pytest.mark.fast  # in this process: no rank, no kernel
 def test_wrong_values_of_the_right_shape_are_diagnosed_not_only_measured():
     import torch
 
@@ -1226,6 +1228,7 @@ def test_wrong_values_of_the_right_shape_are_diagnosed_not_only_measured():
     assert tensor_mismatch(seen(want + torch.randn(3, 3)), want).startswith("values differ by up to")
 
 
+@pytest.mark.fast  # in this process: no rank, no kernel
 def test_a_probes_timeout_keeps_what_each_rank_was_doing():
     from labkit.cluster import LaunchTimeout
     from labkit.grading.kit import probe_error
@@ -1438,6 +1441,7 @@ PLANTED_PUBLIC = {  # exercise id -> solution, {mistake: ([(answer cell id, solu
 }
 
 
+@pytest.mark.fast  # probed and judged in this process: no rank, no kernel
 @pytest.mark.parametrize(
     ("exercise_id", "mistake"),
     [(e, m) for e, (_, mistakes) in PLANTED_PUBLIC.items() for m in ["solution", *mistakes]],

@@ -239,6 +239,7 @@ def test_every_engine_on_hugging_face_models_matches_single_its_plan_and_its_acc
             assert record["state_bytes"] == accounted(model, cfg, n), (engine.NAME, m, n)
 
 
+@pytest.mark.fast  # builds the models in this process
 def test_gpt2_ties_its_head_to_the_token_embedding_and_every_engine_counts_it_once():
     gpt2, llama = build_model("hf-gpt2"), build_model("hf-llama")
     assert gpt2.hf.lm_head.weight is gpt2.hf.transformer.wte.weight
