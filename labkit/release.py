@@ -7,7 +7,9 @@ cases and the judges that compute reference answers); there `check()` runs the p
 the learner writes it. Each cheat sheet is written with its figure filled as `labkit slides` fills it, from
 executed copies of the notebooks when given (papermill's), else saying which run prints it. Before the release
 is done, every file is searched for every line of answer code: the lines of the solutions' answer cells and
-of the filled build cells that their stubs do not show.
+of the filled build cells that their stubs do not show. After the build's deadline, `reference=True` adds
+`reference/`: the notebooks that have build cells, filled (the course's own pieces), and nothing of the
+exercises' solutions.
 """
 
 from __future__ import annotations
@@ -60,9 +62,23 @@ On your own machine: `make lab` (Python 3.11, a few GB for torch and DeepSpeed).
 """
 
 
-def release_student(out: Path, executed: Path | None = None) -> list[Path]:
+REFERENCE = "reference"  # the release's folder of filled build-along notebooks, with `reference=True`
+REFERENCE_README = """# The course's own pieces
+
+The notebooks here are the course's, with every build cell filled: the pieces labkit's instructor copy runs.
+Your own notebooks in `notebooks/` are as you left them. Open one of these beside yours and compare piece by
+piece; run its checks to see the reference pass them.
+"""
+
+
+def release_student(
+    out: Path, executed: Path | None = None, reference: bool = False, past: tuple[str, ...] = ()
+) -> list[Path]:
     """Write the student release into `out` (new, empty, or an earlier release); returns the files written.
-    `executed`: a folder of executed copies of the course notebooks, whose outputs fill the cheat sheets."""
+    `executed`: a folder of executed copies of the course notebooks, whose outputs fill the cheat sheets.
+    `reference`: also write `reference/`, the notebooks that have build cells with those cells filled (to hand
+    out after the build's deadline; a new folder, so a pull does not touch the notebooks students edited).
+    `past`: the exercises whose deadline has passed too; `reference/` may show their answers, no other's."""
     out = Path(out)
     _clear(out)
     root = course_dir()
@@ -76,7 +92,12 @@ def release_student(out: Path, executed: Path | None = None) -> list[Path]:
     fill_cheatsheets(out / "docs" / "cheatsheets", out / "notebooks", executed)
     copy_course_times(root, out)
     for path in sorted((out / "notebooks").glob("*.ipynb")):
+        if reference and has_build_cells(path):
+            (out / REFERENCE).mkdir(exist_ok=True)
+            shutil.copy2(root / "notebooks" / path.name, out / REFERENCE / path.name)
         stub_build_cells(path)
+    if reference:
+        (out / REFERENCE / "README.md").write_text(REFERENCE_README)
     shutil.copytree(PACKAGE_DIR, out / "labkit", ignore=JUNK)
     for pattern in INSTRUCTOR_ONLY:
         for path in (out / "labkit").glob(pattern):
@@ -85,11 +106,34 @@ def release_student(out: Path, executed: Path | None = None) -> list[Path]:
     (out / MARKER).write_text(
         "written by `labkit release --student`; the next run replaces everything but .git\n"
     )
-    leaks = answer_leaks(out, answer_lines(root))
+    answers = answer_lines(root)
+    solved = {line: where for line, where in answers.items() if " build cell " not in where}
+    built = {line: where for line, where in answers.items() if " build cell " in where}
+    skip = (REFERENCE,) if reference else ()
+    leaks = answer_leaks(out, solved, skip) + answer_leaks(out, built, skip)
+    if reference and not leaks:
+        due = _exercises_shown(out / REFERENCE, solved, root) - set(past)
+        if due:
+            _clear(out)
+            raise ValueError(
+                f"reference/ would show answers of {', '.join(sorted(due))} (lines of their solutions are in the "
+                f"filled build cells); hand it out once those are due too: add --past {','.join(sorted(due))}"
+            )
     if leaks:
         _clear(out)  # nothing of a release that shows an answer is left to push
         raise ValueError(f"the release would show the answer {leaks[0]}; remove it there and release again")
     return sorted(p for p in out.rglob("*") if p.is_file() and ".git" not in p.relative_to(out).parts)
+
+
+def _exercises_shown(folder: Path, solved: dict[str, str], root: Path) -> set[str]:
+    """The ids of the exercises whose solutions' answer lines (`solved`, answer_lines) a file in `folder` holds."""
+    from labkit.grading.exercises import exercise_id
+
+    ids = {
+        path.name: exercise_id(nbformat.read(path, as_version=NOTEBOOK_VERSION))
+        for path in (root / "solutions").glob("*.ipynb")
+    }
+    return {ids[leak.split(" cell ", 1)[0]] for leak in answer_leaks(folder, solved)}
 
 
 def _clear(out: Path) -> None:
@@ -140,6 +184,12 @@ def copy_course_times(root: Path, out: Path) -> None:
 
 
 BUILD = "build"
+
+
+def has_build_cells(path: Path) -> bool:
+    """Whether the notebook at `path` has a `build` cell (one the student release stubs)."""
+    nb = nbformat.read(path, as_version=NOTEBOOK_VERSION)
+    return any(BUILD in c.get("metadata", {}).get("tags", []) for c in nb.cells)
 
 
 def stub_build_cells(path: Path) -> int:
@@ -204,12 +254,14 @@ def file_text(path: Path) -> str:
     return path.read_text(errors="replace")
 
 
-def answer_leaks(folder: Path, answers: dict[str, str]) -> list[str]:
-    """'<where> in <file> (<line>)' for every line of `answers` (answer_lines) that a file in `folder` holds."""
+def answer_leaks(folder: Path, answers: dict[str, str], skip: tuple[str, ...] = ()) -> list[str]:
+    """'<where> in <file> (<line>)' for every line of `answers` (answer_lines) that a file in `folder` holds
+    (but those under its top-level folders named in `skip`)."""
     leaks = []
-    for path in sorted(
-        p for p in folder.rglob("*") if p.is_file() and ".git" not in p.relative_to(folder).parts
-    ):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        parts = path.relative_to(folder).parts
+        if ".git" in parts or parts[0] in skip:
+            continue
         lines = set(normalised_lines(file_text(path)))
         leaks += [
             f"{where} in {path.relative_to(folder)} ({line})"

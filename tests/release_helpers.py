@@ -4,12 +4,18 @@ each other); the release itself is the session's `student_release` fixture (test
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import nbformat
 
 from labkit.course import course_path
 from labkit.release import file_text, normalised_lines, telling
+
+
+def learners_copy(release: Path, tmp_path: Path) -> Path:
+    """A copy of the session's student release under `tmp_path`: the learner's own, to write in."""
+    return Path(shutil.copytree(release, tmp_path / "student"))
 
 
 def executed_from_release(release: Path, path: Path, monkeypatch, timeout_s: int = 300) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
-from release_helpers import answer_lines_shown, executed_text, type_in_the_filled_cells
+from release_helpers import answer_lines_shown, executed_text, learners_copy, type_in_the_filled_cells
 
 from labkit.buildalong.cells import notebook_namespace
 from labkit.buildalong.offload_check import check_offload, check_offloads, formula
@@ -233,13 +233,9 @@ def test_the_release_stubs_the_cell_and_shows_none_of_its_answer_lines(student_r
 def test_the_student_04_runs_on_its_stubs_and_measures_the_learners_own_engine(
     student_release: Path, tmp_path: Path, monkeypatch
 ):
-    import shutil
-
     from labkit.buildalong.cells import NOTEBOOK as NOTEBOOK_02
 
-    release = Path(
-        shutil.copytree(student_release, tmp_path / "student")
-    )  # the learner's own copy, to write in
+    release = learners_copy(student_release, tmp_path)
     stubbed = executed_text(release, release / NOTEBOOK, monkeypatch)
     assert "✗ offload: write this piece: make_optimizer (" in stubbed
     assert "Not yet: your engine joins the table once the check above passes." in stubbed

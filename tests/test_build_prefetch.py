@@ -10,7 +10,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from release_helpers import answer_lines_shown, executed_text, type_in_the_filled_cells
+from release_helpers import answer_lines_shown, executed_text, learners_copy, type_in_the_filled_cells
 
 import labkit
 from labkit.buildalong.cells import PREFETCH_NOTEBOOK, notebook_namespace, prefetch_namespace
@@ -242,13 +242,9 @@ def test_the_release_stubs_the_cell_and_shows_none_of_its_answer_lines(student_r
 def test_the_student_03_runs_on_its_stubs_and_checks_the_learners_own_engine(
     student_release: Path, tmp_path: Path, monkeypatch
 ):
-    import shutil
-
     from labkit.buildalong.cells import NOTEBOOK
 
-    release = Path(
-        shutil.copytree(student_release, tmp_path / "student")
-    )  # the learner's own copy, to write in
+    release = learners_copy(student_release, tmp_path)
     stubbed = executed_text(release, release / PREFETCH_NOTEBOOK, monkeypatch)
     assert "✗ prefetch: write this piece: before_forward (" in stubbed
     assert "Not yet: your engine's timeline is drawn once the check above passes." in stubbed

@@ -167,6 +167,49 @@ def test_the_release_turns_every_build_cell_into_its_stub(release: Path):
     assert built >= 6
 
 
+def test_the_reference_after_the_deadline_holds_the_filled_build_cells_and_no_solution(
+    release: Path, tmp_path: Path, capsys
+):
+    assert not (release / "reference").exists()  # not without --reference
+    out = tmp_path / "after-deadline"
+    # The capstone's hooks are 02's pieces: the reference waits for the exercises it would answer.
+    assert main(["release", "--student", str(out), "--reference"]) == 2
+    refused = capsys.readouterr().err.strip().splitlines()
+    assert refused == [
+        "labkit release: reference/ would show answers of ex02_shard, ex05_deepspeed, ex07_capstone (lines of "
+        "their solutions are in the filled build cells); hand it out once those are due too: add --past "
+        "ex02_shard,ex05_deepspeed,ex07_capstone"
+    ]
+    assert not any(p.name != ".labkit-release" for p in out.iterdir())
+    assert main(["release", "--student", str(out), "--past", "ex07_capstone"]) == 2
+    assert capsys.readouterr().err.strip().endswith("pass it with --reference")
+    past = "ex02_shard,ex05_deepspeed,ex07_capstone"
+    assert main(["release", "--student", str(out), "--reference", "--past", past]) == 0
+    assert "and reference/: the build cells filled" in capsys.readouterr().out
+    with_builds = [
+        path.name
+        for path in sorted((ROOT / "notebooks").glob("*.ipynb"))
+        if any("build" in c["metadata"].get("tags", []) for c in json.loads(path.read_text())["cells"])
+    ]
+    assert {"02_zero3_from_scratch.ipynb", "03_prefetch_overlap.ipynb", "04_offload.ipynb"} <= set(
+        with_builds
+    )
+    assert sorted(p.name for p in (out / "reference").glob("*.ipynb")) == with_builds
+    for name in with_builds:  # the instructor's cells, as they are; the student's notebooks still stubs
+        assert (out / "reference" / name).read_text() == (ROOT / "notebooks" / name).read_text()
+        assert (out / "notebooks" / name).read_text() == (release / "notebooks" / name).read_text()
+    others = {k: v for k, v in _answer_cells().items() if not k.startswith(("02_", "05_", "07_"))}
+    assert _found(out, others) == []  # no other exercise's solution anywhere, reference/ included
+    assert (
+        _found(out / "notebooks", _answer_cells()) == [] and _found(out / "exercises", _answer_cells()) == []
+    )
+    build_lines = {ln for ln, where in _answer_code_lines().items() if where.startswith(tuple(with_builds))}
+    held = set(_readable(out / "reference" / "02_zero3_from_scratch.ipynb").splitlines())
+    assert len(build_lines & held) >= 20  # the filled pieces are there to read
+    outside = [p for p in out.rglob("*") if p.is_file() and "reference" not in p.relative_to(out).parts[:1]]
+    assert not any(set(_readable(p).splitlines()) & build_lines for p in outside if ".git" not in p.parts)
+
+
 def test_a_build_cell_without_a_stub_is_refused(tmp_path: Path, monkeypatch, capsys):
     course = tmp_path / "course"
     for name in ("exercises", "solutions", "notebooks"):
