@@ -477,9 +477,8 @@ def _redirect_output(path: str) -> None:
     parent_stderr = sys.stderr
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    follow_streams(
-        sys.stdout, sys.stderr, {id(parent_stderr), id(sys.__stderr__)}
-    )  # loggers made in the parent
+    # the logging handlers a forked rank inherits still write to the parent's stream objects
+    follow_streams(sys.stdout, sys.stderr, {id(parent_stderr), id(sys.__stderr__)})
 
 
 def _track_collectives(path: str) -> None:

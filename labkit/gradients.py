@@ -39,15 +39,9 @@ def single_steps(cfg, batches) -> tuple[list[float], dict[str, Any]]:
 def single_grads(cfg) -> dict[str, Any]:
     """{parameter name: full gradient} of `single` at step 0 of `cfg` (its model, seed, global batch), before
     any optimizer step: the mean over the whole batch."""
-    import torch
+    from labkit.model import batch
 
-    from labkit.engines.single import SingleEngine
-    from labkit.model import batch, build_model
-
-    engine = SingleEngine(build_model(cfg.model, cfg.seed), cfg, torch.device("cpu"))
-    tokens, targets = batch(0, cfg.model, cfg.seed)
-    engine.backward(engine.forward_loss(tokens, targets))
-    return {name: p.grad.detach().clone() for name, p in engine.model.named_parameters()}
+    return single_steps(cfg, [batch(0, cfg.model, cfg.seed)])[1]
 
 
 def mean_hint(k: int, summed: str, fix: str) -> Callable[[float], str]:

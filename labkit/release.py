@@ -107,11 +107,11 @@ def release_student(
         "written by `labkit release --student`; the next run replaces everything but .git\n"
     )
     answers = answer_lines(root)
-    solved = {line: where for line, where in answers.items() if " build cell " not in where}
-    built = {line: where for line, where in answers.items() if " build cell " in where}
-    skip = (REFERENCE,) if reference else ()
-    leaks = answer_leaks(out, solved, skip) + answer_leaks(out, built, skip)
-    if reference and not leaks:
+    leaks = answer_leaks(out, answers, skip=(REFERENCE,) if reference else ())
+    if (
+        reference and not leaks
+    ):  # reference/ holds the filled build cells: only the solutions' lines count there
+        solved = {line: where for line, where in answers.items() if " build cell " not in where}
         due = _exercises_shown(out / REFERENCE, solved, root) - set(past)
         if due:
             _clear(out)
