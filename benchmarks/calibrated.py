@@ -39,7 +39,7 @@ from labkit.engines.loop import run, run_many
 from labkit.model import build_model, count_params
 from labkit.probes import timeline
 from labkit.tables import median_step_s
-from labkit.zero.hooks import unit_plan
+from labkit.units import unit_plan
 
 WITHIN = 0.20  # the calibrated prediction's allowed distance from the measured step
 PREFETCH_TARGETS = {"small": 0.70, "tiny_deep": 0.65}  # prefetch / no-prefetch step, 2 ranks

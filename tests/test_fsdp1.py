@@ -19,9 +19,9 @@ from labkit import cli
 from labkit.budget import padded_flat_numel
 from labkit.engines import ENGINES, fsdp1, loop, on_rank, validation
 from labkit.engines.base import RankInfo, RunConfig
+from labkit.layout import flat_layout
 from labkit.lessons import engine_inspect
 from labkit.model import build_model, count_params
-from labkit.zero.sharding import flat_layout
 
 BF16_REL = 1e-2  # bf16 compute vs the float32 oracle over 3 steps (measured 7e-5)
 TIMEOUT_S = 300

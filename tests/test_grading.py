@@ -836,11 +836,12 @@ def test_every_exercise_tells_the_student_the_integrity_rule_it_is_graded_by():
     for exercise_id, intro in stated.items():
         assert integrity.stated_rule(exercise_id) in intro, exercise_id
         assert all(f"`{p}`" in intro for p in load(exercise_id).forbidden), exercise_id
-    assert "`labkit.zero.sharding.dim0_rows`: that one is yours" in stated["ex03_reduce_scatter"]
+    assert "`labkit.layout.dim0_rows`: that one is yours" in stated["ex03_reduce_scatter"]
 
 
 def test_an_answer_that_is_labkits_own_function_is_found_in_the_namespace():
-    from labkit.zero.sharding import dim0_rows, shard_dim0
+    from labkit.layout import dim0_rows
+    from labkit.zero.sharding import shard_dim0
 
     exercise = load("ex03_reduce_scatter")
     found = integrity.answer_origins(
@@ -926,7 +927,7 @@ def unwatched():
 
 
 def copied(full, rank, world_size):  # labkit's code object, run under this cell's own globals
-    code = getattr(sys.modules["labkit." + "zero.sharding"], "dim0_" + "rows").__code__
+    code = getattr(sys.modules["labkit." + "layout"], "dim0_" + "rows").__code__
     return types.FunctionType(code, globals())(full.shape[0], world_size)
 """
 
@@ -940,7 +941,7 @@ def test_the_use_watch_sees_labkit_code_an_answer_calls_however_it_reached_it(tm
 
     watch = _ex02_watch(HIDDEN_CALLS, tmp_path / "log")
     namespace: dict = {}
-    given = "from labkit.zero.sharding import dim0_rows as _rows\n\ndef dim0_rows(d0, n):\n    return _rows(d0, n)"
+    given = "from labkit.layout import dim0_rows as _rows\n\ndef dim0_rows(d0, n):\n    return _rows(d0, n)"
     exec(compile(given, "<cell setup>", "exec"), namespace)
     before = sys.gettrace()
     watch.install()
@@ -964,7 +965,7 @@ def test_the_use_watch_sees_labkit_code_an_answer_calls_however_it_reached_it(tm
     assert watch.found() == {
         "answer-shard": [
             "labkit.grading.integrity.UseWatch",
-            "labkit.zero.sharding.dim0_rows",
+            "labkit.layout.dim0_rows",
             "labkit.zero.sharding.shard_dim0",
             "labkit.zero.sharding.unshard_dim0",
         ]

@@ -74,7 +74,8 @@ class Net(nn.Module):
 
 
 def _any_output() -> dict:
-    from labkit.zero import ZeRO3, instances_of
+    from labkit.units import instances_of
+    from labkit.zero import ZeRO3
 
     rank, n = dist.get_rank(), dist.get_world_size()
     tokens = torch.randint(13, (4 * n, 6), generator=torch.Generator().manual_seed(1))
@@ -123,7 +124,8 @@ def _gpt2_lm_head_model(pieces) -> dict:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     from labkit.buildalong import attach
-    from labkit.zero import ZeRO3, instances_of
+    from labkit.units import instances_of
+    from labkit.zero import ZeRO3
 
     rank, n = dist.get_rank(), dist.get_world_size()
     out = {}

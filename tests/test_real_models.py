@@ -37,8 +37,8 @@ from labkit.engines.base import RankInfo, RunConfig
 from labkit.engines.on_rank import rank_info, timed_step
 from labkit.lessons.foreign import EncoderLM
 from labkit.probes import state_bytes
-from labkit.zero import checkpoint, instances_of
-from labkit.zero.units import model_units
+from labkit.units import instances_of, model_units
+from labkit.zero import checkpoint
 
 STEPS = 4
 GLOBAL_BATCH = 12  # divides by 2, 3 and 4

@@ -20,23 +20,18 @@ from torch import nn
 import labkit
 from labkit import budget
 from labkit.budget import collective_wire_bytes
+from labkit.buildalong.gradient_verdicts import rows_expected
 from labkit.cli import main
 from labkit.collectives import Patch
 from labkit.engines import scratch
 from labkit.engines.base import RunConfig
 from labkit.engines.on_rank import rank_info, train_steps
 from labkit.engines.validation import validate
+from labkit.layout import dim0_layout, dim0_rows, flat_layout, owned_rows, padding_elements
 from labkit.model import batch, build_model, count_params, loss_fn
 from labkit.probes import state_bytes
 from labkit.zero import ShardedAdamW, ZeRO3, checkpoint
-from labkit.zero.sharding import (
-    dim0_layout,
-    dim0_rows,
-    flat_layout,
-    padding_elements,
-    shard_dim0,
-    unshard_dim0,
-)
+from labkit.zero.sharding import shard_dim0, unshard_dim0
 from labkit.zero.unit import ShardedState, ShardedUnit
 
 VARIANTS = [  # (prefetch, offload, reshard_after_forward)
@@ -80,6 +75,9 @@ def test_dim0_shards_pad_to_a_multiple_of_n_and_rebuild_the_tensor(n, shape):
     assert padded % n == 0 and padded - shape[0] < n
     assert torch.equal(unshard_dim0(shards, shape[0]), full)
     assert torch.count_nonzero(torch.cat(shards)[shape[0] :]) == 0
+    # what the build's judges hold a learner's shard to is the engine's shard, on every rank
+    assert all(torch.equal(rows_expected(full, r, n), shards[r]) for r in range(n))
+    assert torch.equal(torch.cat([owned_rows(full, r, n) for r in range(n)]), full)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

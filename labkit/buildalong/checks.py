@@ -22,15 +22,16 @@ import torch
 import torch.distributed as dist
 
 import labkit
+from labkit.buildalong.gradient_verdicts import rows_expected
 from labkit.buildalong.scaffold import Learner, Pieces, attach
 from labkit.buildalong.verdicts import CheckResult, fix_first, launched, verdict
 from labkit.engines import on_rank
 from labkit.engines.base import RunConfig
 from labkit.engines.single import SingleEngine
 from labkit.errors import error_text
+from labkit.layout import owned_rows
 from labkit.model import build_model, loss_fn
 from labkit.probes import Probes, state_bytes
-from labkit.zero.sharding import shard_dim0
 
 TIMEOUT_S = 120.0
 STEPS = ("shard", "gather", "forward", "backward", "reduce_scatter", "adamw")
@@ -243,8 +244,8 @@ def _rank_shard(pieces: Pieces, model: str, steps: int) -> dict:
         if not isinstance(s, torch.Tensor):
             rows.append({"name": name, "type": type(s).__name__})
             continue
-        want = shard_dim0(full.float(), rank, n)
-        real = max(0, min(want.shape[0], full.shape[0] - rank * want.shape[0]))
+        want = rows_expected(full.float(), rank, n)
+        real = owned_rows(full, rank, n).shape[0]
         same_shape = tuple(s.shape) == tuple(want.shape)
         wrong = _rows_where(s[:real].float() != want[:real]) if same_shape else []
         nonzero = [real + i for i in _rows_where(s[real:] != 0)] if same_shape else []
@@ -271,7 +272,9 @@ def _rank_gather(pieces: Pieces, model: str, steps: int) -> dict:
     with Probes(rank, info.device) as probes, probes.step(0):
         for name, p in net.named_parameters():
             full = p.detach().float()
-            out = _learner(f"gather({name})", pieces.gather, shard_dim0(full, rank, n), full.shape[0], None)
+            out = _learner(
+                f"gather({name})", pieces.gather, rows_expected(full, rank, n), full.shape[0], None
+            )
             ok_shape = isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(full.shape)
             wrong = _rows_where(out.float() != full) if ok_shape else []
             rows.append(

@@ -6,14 +6,25 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
+
 from labkit.engines.base import RunConfig
 from labkit.gradients import GRAD_ABS_TOL, GRAD_REL_TOL, grads_mismatch, mean_hint, single_grads
+from labkit.layout import dim0_rows, owned_rows
 
 
 @functools.lru_cache(maxsize=4)
 def single_gradients(model: str) -> dict:
     """single's full gradients at step 0 of `model` (seed 0, the global batch), before its optimizer runs."""
     return single_grads(RunConfig(model=model))
+
+
+def rows_expected(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """What a judge holds rank `rank`'s piece of `full` to: its owned rows (`labkit.layout.owned_rows`)
+    followed by zero rows up to ceil(d0/n), in `full`'s dtype."""
+    mine = owned_rows(full, rank, n)
+    missing = dim0_rows(full.shape[0], n)[0] - mine.shape[0]
+    return torch.cat([mine, mine.new_zeros((missing, *full.shape[1:]))])
 
 
 def mean_over_ranks(grads: list):

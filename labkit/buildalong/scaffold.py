@@ -20,9 +20,8 @@ from torch import nn
 from labkit.engines.base import RankInfo, RunConfig, adamw
 from labkit.engines.on_rank import to_rank_device
 from labkit.model import loss_fn
-from labkit.zero.hooks import model_units
-from labkit.zero.outputs import needing_grad
-from labkit.zero.units import UnitSpec
+from labkit.outputs import needing_grad
+from labkit.units import UnitSpec, model_units
 
 MOMENTS = ("before_forward", "after_forward", "before_backward", "after_grad")
 

@@ -18,13 +18,13 @@ from labkit.budget import collective_wire_bytes, padded_numel
 from labkit.buildalong.gradient_verdicts import (
     grads_said,
     mean_over_ranks,
+    rows_expected,
     single_gradients,
     worst_rel,
 )
 from labkit.buildalong.stubs import unwritten
 from labkit.model import build_model
 from labkit.names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from labkit.zero.sharding import shard_dim0
 
 LOSS_RTOL = 1e-4  # float32: the engines' contract with single
 
@@ -404,7 +404,7 @@ def _backward_ok(ranks: list[dict], m: ModelFacts, figures: dict) -> str:
 
 def _scatter_figures(ranks: list[dict], m: ModelFacts, steps: int) -> dict:
     want = single_gradients(m.name)
-    rows = [{name: shard_dim0(w, rank, m.n) for name, w in want.items()} for rank in range(m.n)]
+    rows = [{name: rows_expected(w, rank, m.n) for name, w in want.items()} for rank in range(m.n)]
     said = (
         grads_said(r["shard_grads"], rows[rank], f"after backward, rank {rank}'s shard grads", m.n)
         for rank, r in enumerate(ranks)

@@ -28,10 +28,9 @@ from labkit.engines.registry import SCRATCH
 from labkit.model import loss_fn
 from labkit.names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from labkit.probes.memory import STEP_SCALARS, in_categories
+from labkit.units import INPUT, OUTPUT, UnitSpec, unit_plan
 from labkit.zero import ShardedAdamW, ZeRO3
-from labkit.zero.hooks import unit_plan
 from labkit.zero.hsdp import hsdp_groups
-from labkit.zero.units import INPUT, OUTPUT, UnitSpec
 
 NAME = SCRATCH
 OPTIONS = ("hsdp_shard_size", "activation_checkpointing", "split_root")  # cfg.options it honours

@@ -294,12 +294,12 @@ def _grad_case(seen: dict, grads: dict, rank: int, n: int) -> tuple[bool, str]:
     """Rank `rank`'s gradient shards against its rows of single's gradient; the usual mistake named."""
     import torch
 
-    from labkit.zero.sharding import shard_dim0
+    from labkit.buildalong.gradient_verdicts import rows_expected
 
     dot = norm = 0.0
     problem = None
     for name, full in grads.items():
-        want = shard_dim0(full.double(), rank, n)
+        want = rows_expected(full, rank, n).double()
         got = seen.get(name) if isinstance(seen, dict) else None
         if got is None:
             return False, f"rank {rank}: the shard of {name} had no .grad when after_grad returned"

@@ -79,8 +79,8 @@ def held_bytes(
     (alive before the run began: a forked rank's copy of its parent's tensors, which may hold the same
     weights). Each storage once, its shards' and their gradients' left out; a freed one holds 0 B.
     """
+    from labkit.outputs import output_tensors
     from labkit.probes.memory import storages
-    from labkit.zero.outputs import output_tensors
 
     own = {st.data_ptr() for st in storages([*unit.shards, *(s.grad for s in unit.shards)])}
     fields = [value for name, value in vars(unit).items() if name not in NOT_HELD]

@@ -60,7 +60,7 @@ class Run:
 @functools.cache
 def _unit_shapes(model: str) -> dict[str, list[tuple[tuple[int, ...], str]]]:
     from labkit.model import GPT, config
-    from labkit.zero.hooks import model_units
+    from labkit.units import model_units
 
     units = model_units(GPT(config(model)))
     return {unit: [(tuple(p.shape), name) for name, p in params] for unit, _, params in units}

@@ -33,9 +33,12 @@ WATCH = f"{GRADER}.integrity.UseWatch"  # what an answer cell that turns the wat
 # check modules, so that the public checks of the student release apply the same rule.
 RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ex01_memory": (("labkit.budget",), ()),
-    "ex02_shard": (("labkit.zero", "labkit.buildalong.cells"), ()),
+    "ex02_shard": (("labkit.zero", "labkit.layout", "labkit.buildalong.cells"), ()),
     # The set-up cell imports dim0_rows for pack_grads.
-    "ex03_reduce_scatter": (("labkit.zero", "labkit.buildalong.cells"), ("labkit.zero.sharding.dim0_rows",)),
+    "ex03_reduce_scatter": (
+        ("labkit.zero", "labkit.layout", "labkit.buildalong.cells"),
+        ("labkit.layout.dim0_rows",),
+    ),
     "ex04_prefetch": (("labkit.zero", "labkit.engines"), ()),
     "ex05_deepspeed": (("labkit.engines",), ()),
     "ex06_hsdp": (("labkit.budget", "labkit.zero"), ()),
@@ -189,7 +192,7 @@ _LABKIT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 @functools.cache
 def module_of_file(filename: str) -> str | None:
-    """`labkit.zero.sharding` for labkit's own `.../labkit/zero/sharding.py` (a code object's `co_filename`),
+    """`labkit.layout` for labkit's own `.../labkit/layout.py` (a code object's `co_filename`),
     else None: where a function's code comes from, whatever globals it was given to run with."""
     path = "" if filename.startswith("<") else os.path.realpath(filename)
     if not path.startswith(_LABKIT + os.sep) or not path.endswith(".py"):

@@ -28,7 +28,7 @@ def inspect_flat(cfg: RunConfig) -> list[dict[str, Any]]:
     the model, shapes), `flat_numel` (their elements), `padded_numel` (the all-gathered buffer),
     `shard_numel` (this rank's slice), `shard_padding` (padding elements in this slice) and `segments`:
     (name, start, stop) of each piece of a parameter in this rank's slice, in elements of the whole flat
-    buffer (`labkit.zero.sharding.flat_layout`'s offsets).
+    buffer (`labkit.layout.flat_layout`'s offsets).
     """
     info = rank_info()
     engine = fsdp1.build(cfg, build_model(cfg.model, cfg.seed), info)

@@ -17,7 +17,7 @@ from labkit.engines import scratch, single
 from labkit.engines.base import RunConfig
 from labkit.engines.on_rank import rank_info, timed_step, to_rank_device
 from labkit.probes import Probes, state_bytes
-from labkit.zero import instances_of
+from labkit.units import instances_of
 
 VOCAB, WIDTH, HEADS, FEED_FORWARD, LAYERS, SEQ = 29, 25, 5, 37, 2, 11
 GLOBAL_BATCH = 12  # sequences per step: divides by 2, 3 and 4 ranks

@@ -2,9 +2,8 @@
 a unit's weights are all-gathered just before its forward and again before its backward, and its gradients
 are reduce-scattered back into the shards as soon as they exist.
 
-    units.py      which modules are units (model.blocks, a list, or instances_of(...)), who owns each param,
-                  and the root split into an input and an output unit
-    sharding.py   how a parameter (FSDP2 way) or a block (FSDP1 way) is cut into n shards
+    sharding.py   a parameter cut into n dim-0 shards (where its rows land: `labkit.layout`; which modules
+                  are units and who owns each parameter: `labkit.units`)
     unit.py       one unit's shards, full buffers and its coalesced all-gather / reduce-scatter
     hooks.py      the four moments (before_forward, after_forward, before_backward, after_grad)
     prefetch.py   the next units' all-gathers (prefetch_depth of them) in flight while this one computes
@@ -16,6 +15,5 @@ are reduce-scattered back into the shards as soon as they exist.
 
 from labkit.zero.hooks import ZeRO3
 from labkit.zero.optimizer import ShardedAdamW
-from labkit.zero.units import instances_of
 
-__all__ = ["ZeRO3", "ShardedAdamW", "instances_of"]
+__all__ = ["ZeRO3", "ShardedAdamW"]

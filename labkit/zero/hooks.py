@@ -6,12 +6,12 @@
     after_grad       when every trainable parameter of the unit has its gradient: reduce-scatter into the
                      shards, free the full gradients and the full weights
 
-The units are the modules `labkit.zero.units` cuts the model into (by default each block of
+The units are the modules `labkit.units` cuts the model into (by default each block of
 `model.blocks`) plus the root (every other parameter: embeddings, final norm, head, shared weights), whose
 "forward" is the whole model's: gathered as the model starts, freed when it returns. `finish_backward`
 closes the step: it reduces what no hook reduced (a unit or parameter this step did not use).
 
-With `split_root` the root is cut into an input unit and an output unit (`labkit.zero.units.split_root`),
+With `split_root` the root is cut into an input unit and an output unit (`labkit.units.split_root`),
 so each is gathered only around its own compute. The input unit (the embeddings) is gathered as the model
 starts and freed as the first unit starts; its backward begins when its modules' outputs get their
 gradients, after the first unit's backward, behind which its gather is prefetched. The output unit (final
@@ -30,21 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.zero.outputs import needing_grad
+from labkit.outputs import needing_grad
+from labkit.units import INPUT, OUTPUT, ROOT, UnitSpec, unit_plan
 from labkit.zero.prefetch import Prefetcher
 from labkit.zero.unit import ShardedParam, ShardedState, ShardedUnit
-from labkit.zero.units import INPUT, OUTPUT, ROOT, UnitSpec, instances_of, model_units, split_root
 
-__all__ = ["ZeRO3", "instances_of", "model_units", "unit_plan"]
-
-
-def unit_plan(
-    model: nn.Module, units: UnitSpec = None, split: bool = False
-) -> list[tuple[str, nn.Module, list]]:
-    """(name, module, named parameters) of each unit ZeRO3 makes, in its order: `model_units`, the root split
-    when `split` (`split_root`), a root left without parameters dropped. What the bytes formula sums over."""
-    planned = model_units(model, units)
-    return [u for u in (split_root(model, planned) if split else planned) if u[2]]
+__all__ = ["ZeRO3"]
 
 
 class ZeRO3:
@@ -52,7 +43,7 @@ class ZeRO3:
     gathered and reduced on its own, the rest is the root.
 
     `units`: the modules to shard one at a time, or a policy such as `instances_of(SomeLayer)` (see
-    `labkit.zero.units`). `reshard_after_forward`: free each unit's weights after its forward (and gather
+    `labkit.units`). `reshard_after_forward`: free each unit's weights after its forward (and gather
     them again for backward); False keeps them until the gradients are reduced (ZeRO-2-like traffic, more
     memory). `prefetch`: overlap the next unit's all-gather with this unit's compute. `compute_dtype`:
     dtype of the gathered weights (torch.bfloat16 for mixed precision); the shards, the gradient

@@ -167,3 +167,12 @@ def split_root(
         parts[part].append((name, p))
     out = [(INPUT, model, parts[INPUT]), (ROOT, model, parts[ROOT]), *blocks, (OUTPUT, model, parts[OUTPUT])]
     return [u for u in out if u[2]]
+
+
+def unit_plan(
+    model: nn.Module, units: UnitSpec = None, split: bool = False
+) -> list[tuple[str, nn.Module, list]]:
+    """(name, module, named parameters) of each unit ZeRO3 makes, in its order: `model_units`, the root split
+    when `split` (`split_root`), a root left without parameters dropped. What the bytes formula sums over."""
+    planned = model_units(model, units)
+    return [u for u in (split_root(model, planned) if split else planned) if u[2]]
