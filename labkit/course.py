@@ -19,6 +19,14 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 PACKAGED = PACKAGE_DIR / "_course"
 
 
+def holds(module: str) -> bool:
+    """Whether this copy of labkit holds `module` ("labkit.zero"), read from its files: the student release
+    leaves some out, and an import finder of another copy installed beside it must not answer for it."""
+    parts = module.split(".")[1:]
+    base = PACKAGE_DIR.joinpath(*parts)
+    return (base / "__init__.py").is_file() or base.with_suffix(".py").is_file()
+
+
 def course_dir() -> Path:
     """The course folder (see the module docstring); ValueError, saying what to set, when there is none."""
     override = os.environ.get(COURSE_ENV)

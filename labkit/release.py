@@ -42,8 +42,9 @@ COURSE_FILES = (
     "Makefile",
     "scripts/install-debian-packages",
 )
-# Under labkit/: the grader's checks, a wheel's course.
-INSTRUCTOR_ONLY = (f"grading/checks/{CHECK_MODULES}", "_course")
+# Under labkit/: the grader's checks, a wheel's course, labkit's own ZeRO-3 (in the student copy the scratch
+# engine is the learner's: `labkit.buildalong.learners_engine`).
+INSTRUCTOR_ONLY = (f"grading/checks/{CHECK_MODULES}", "_course", "zero")
 JUNK = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.executed.ipynb")
 README = """# labkit: the student copy
 
@@ -54,7 +55,9 @@ The exercises are in `exercises/`. Fill the cells marked `# YOUR ANSWER HERE` an
 exercise states, and its example). Your grade comes from the instructor's grader, which runs your answer
 cells again on cases you have not seen.
 
-labkit's own ZeRO-3 is in `labkit/zero/`: the notebooks run it, and show its source once your build passes.
+This copy holds no ZeRO-3 of labkit's: its scratch engine is yours. Once your build cells of 02 pass their
+checks, every notebook that runs the scratch engine runs your pieces (with your prefetch from 03 and your
+offload from 04 where a run asks for them), and says which piece to fix when one fails.
 Each exercise's first cell names the labkit code its answers may not use; the grader watches what your
 answer cells import and call, and a check whose answers use that code earns no points.
 

@@ -231,7 +231,7 @@ def test_the_release_stubs_the_cell_and_shows_none_of_its_answer_lines(student_r
 
 @slow
 def test_the_student_04_runs_on_its_stubs_and_measures_the_learners_own_engine(
-    student_release: Path, tmp_path: Path, monkeypatch
+    student_release: Path, tmp_path: Path, monkeypatch, executed
 ):
     from labkit.buildalong.cells import NOTEBOOK as NOTEBOOK_02
 
@@ -239,10 +239,25 @@ def test_the_student_04_runs_on_its_stubs_and_measures_the_learners_own_engine(
     stubbed = executed_text(release, release / NOTEBOOK, monkeypatch)
     assert "✗ offload: write this piece: make_optimizer (" in stubbed
     assert "Not yet: your engine joins the table once the check above passes." in stubbed
-    assert "scratch, offload" in stubbed  # labkit's measurement goes on
+    assert "scratch, offload" not in stubbed  # the student copy has no engine of labkit's: its own comes
+    assert (
+        "Not yet: the prediction is answered by your engine's rows, once the check above passes." in stubbed
+    )
+    assert "deepspeed, optimizer" in stubbed  # the libraries' measurement goes on
     for notebook in (NOTEBOOK_02, NOTEBOOK):  # their 02, then their 04
         type_in_the_filled_cells(release, notebook)
     written = executed_text(release, release / NOTEBOOK, monkeypatch)
     assert "✓ offload: AdamW's weights, m and v on the host" in written, written
     assert "Not yet" not in written
     assert "yours, offload" in written and "optimizer column 0 B" in written
+    # the same engine state as the instructor's copy measures for the filled cells, to the byte
+    instructor = "\n".join(
+        "".join(o.get("text", "") for o in c.get("outputs", [])) for c in executed(Path(NOTEBOOK).name).cells
+    )
+    assert _yours_line(written) == _yours_line(instructor), (_yours_line(written), _yours_line(instructor))
+
+
+def _yours_line(text: str) -> str:
+    """The offload-yours cell's sentence, up to its loss figure (whose reference run differs between copies)."""
+    line = next(line for line in text.splitlines() if line.startswith("yours: engine state "))
+    return line.split("; largest relative loss difference")[0]

@@ -248,9 +248,17 @@ def test_the_student_03_runs_on_its_stubs_and_checks_the_learners_own_engine(
     stubbed = executed_text(release, release / PREFETCH_NOTEBOOK, monkeypatch)
     assert "✗ prefetch: write this piece: before_forward (" in stubbed
     assert "Not yet: your engine's timeline is drawn once the check above passes." in stubbed
-    assert "prefetch on: step " in stubbed  # labkit's measurement goes on
+    # the student copy's scratch engine is theirs: measured once their 02 and 03 are written, FSDP2 sets the link
+    assert (
+        "prefetch on: not measured yet. The scratch engine of this copy is yours: your 02 still has shard"
+        in stubbed
+    )
+    assert "Until then FSDP2's step sets the link." in stubbed
+    assert "prefetch on: step " not in stubbed
     for notebook in (NOTEBOOK, PREFETCH_NOTEBOOK):  # their 02, then their 03
         type_in_the_filled_cells(release, notebook)
     written = executed_text(release, release / PREFETCH_NOTEBOOK, monkeypatch)
     assert "✓ prefetch: losses equal to single's over 3 steps" in written, written
-    assert "Not yet" not in written
+    assert "Not yet" not in written and "not measured yet" not in written
+    assert "prefetch off: step " in written and "prefetch on: step " in written  # their engine, off and on
+    assert "FSDP2's step sets the link" not in written

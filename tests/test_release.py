@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from release_helpers import executed_from_release
+from release_helpers import (
+    executed_from_release,
+    executed_text,
+    learners_copy,
+    most_similar,
+    type_in_the_filled_cells,
+)
 
 from labkit.buildalong import reveal
 from labkit.cli import main
@@ -91,9 +97,12 @@ def test_release_holds_the_course_and_no_solutions_or_grader_checks(release: Pat
     assert [p.name for p in (release / "labkit" / "grading" / "checks").glob("*.py")] == ["__init__.py"]
     assert (release / "labkit" / "grading" / "public.py").is_file()
     assert not (release / "docs" / "instructor.md").exists() and (release / "docs" / "cheatsheets").is_dir()
-    # What it does hold, labkit's own ZeRO-3, the README says to the students (docs/instructor.md says why).
-    assert (release / "labkit" / "zero" / "hooks.py").is_file()
-    assert "labkit's own ZeRO-3 is in `labkit/zero/`" in (release / "README.md").read_text()
+    # labkit's own ZeRO-3 stays in the instructor's copy: the student copy's scratch engine is the learner's
+    assert (
+        "This copy holds no ZeRO-3 of labkit's: its scratch engine is yours."
+        in (release / "README.md").read_text()
+    )
+    assert not (release / "labkit" / "zero").exists()
 
 
 COURSE_PATH = re.compile(r"(?<![\w/])(?:\.\./)?((?:tests|benchmarks|solutions|docs)/[\w./-]*\w)")
@@ -423,4 +432,144 @@ def test_the_student_02_runs_on_its_stubs_and_passes_once_the_pieces_are_written
     verdicts = re.findall(r"^([✓✗]) (\w+): ", written, re.M)
     assert [v[0] for v in verdicts] == ["✓"] * 6, written
     assert reveal.NOT_YET not in written
+    assert reveal.NOT_SHIPPED in written and "def start_gather" not in written  # no code of labkit's to show
     assert float(re.search(r"largest relative difference: (\S+)", written).group(1)) < 1e-4
+
+
+# ----------------------------------------------------- the student copy's scratch engine: the learner's own
+
+
+def test_compare_in_the_student_copy_refuses_what_the_learners_engine_cannot_run_yet(release: Path):
+    """Before 02 is written, and for a setting the learner's engine does not do: one sentence, exit code 2."""
+    said = {}
+    for flags in (
+        ["--engines", "scratch,fsdp2"],
+        ["--engines", "scratch", "--hsdp", "2", "--world-size", "4"],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "labkit", "compare", *flags, "--steps", "1"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(release)},
+            cwd=release,
+            timeout=120,
+        )
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r
+        said[flags[-1]] = r.stderr
+    assert "your 02 still has shard, gather, before_forward" in said["scratch,fsdp2"]
+    assert "it does not do --hsdp = 2: run it without that setting." in said["4"]
+
+
+def test_the_student_07_runs_the_learners_engine_as_the_instructors_copy_runs_the_filled_cells(
+    release: Path, tmp_path: Path, monkeypatch, executed
+):
+    """No row of labkit's engine; the learner's (their 02, here the filled cells) beside the libraries, with
+    the losses and bytes the instructor's copy measures for the same cells."""
+    name = "07_head_to_head.ipynb"
+    copy = learners_copy(release, tmp_path)
+    type_in_the_filled_cells(copy, "notebooks/02_zero3_from_scratch.ipynb")
+    written = executed_text(copy, copy / "notebooks" / name, monkeypatch)
+    instructor = "\n".join(
+        "".join(o.get("text", "") for o in c.get("outputs", [])) for c in executed(name).cells
+    )
+    assert not re.search(r"^scratch ", written, re.M) and re.search(r"^scratch ", instructor, re.M)
+    mine = [
+        line for line in written.splitlines() if line.startswith("Your engine trained to single's losses")
+    ]
+    assert len(mine) == 1 and mine[0] in instructor.splitlines(), (mine, instructor)
+
+
+COPIED = 0.6  # a piece whose 8-token shingles are this share of one function's or more is in the release
+
+
+def test_the_release_holds_no_function_of_labkits_own_pieces(release: Path, tmp_path: Path):
+    """labkit's own pieces (labkit/zero/ and the filled build cells) against every function of the release,
+    locals renamed away: none holds a piece (the largest share stays under COPIED); planted renamed copies of
+    two pieces in a copy of the release are found."""
+    import inspect
+
+    from labkit.zero.optimizer import ShardedAdamW
+    from labkit.zero.sharding import shard_dim0
+
+    worst = most_similar(release)
+    assert len(worst) >= 40 and worst[0][0] < COPIED, worst[:3]
+    copy = learners_copy(release, tmp_path)
+    renamed = {"full": "weight", "rows": "per_rank", "out": "mine", "lo": "first", "hi": "last", "grad": "g"}
+    planted = "\n\n".join(inspect.getsource(fn).replace("    def step", "def step") for fn in (shard_dim0,))
+    planted += "\n\n" + inspect.cleandoc(inspect.getsource(ShardedAdamW.step).replace("@torch.no_grad()", ""))
+    for old, new in renamed.items():
+        planted = re.sub(rf"\b{old}\b", new, planted)
+    (copy / "labkit" / "helpers.py").write_text(planted)
+    found = {
+        piece: share for share, piece, where in most_similar(copy) if where.startswith("labkit/helpers.py")
+    }
+    assert found["labkit/zero/sharding.py: shard_dim0"] >= COPIED, found
+    assert found["labkit/zero/optimizer.py: step"] >= COPIED, found
+
+
+LEARNERS_RUNS = """
+import json
+from labkit.engines import scratch
+from labkit.engines.base import RunConfig
+from labkit.engines.loop import run, run_many
+from labkit.model import build_model
+
+cfgs = {
+    "02": RunConfig(model="tiny", world_size=2, steps=3, prefetch=False),
+    "03": RunConfig(model="tiny", world_size=2, steps=3),
+    "04": RunConfig(model="tiny", world_size=2, steps=3, prefetch=False, offload="cpu"),
+}
+single = run("single", RunConfig(model="tiny", world_size=1, steps=3))["losses"]
+out = {"own": scratch.labkits_own()}
+for (name, cfg), rec in zip(cfgs.items(), run_many([("scratch", c) for c in cfgs.values()])):
+    net = build_model("tiny")
+    out[name] = {
+        "loss_rel": max(abs(a - b) / b for a, b in zip(rec["losses"], single)),
+        "wire": {k: v["wire_bytes"] for k, v in rec["comm"].items()},
+        "formula": scratch.predicted_wire_bytes(net, cfg, 2),
+        "state": rec["state_bytes"],
+        "accounting": scratch.state_bytes_accounting(net, cfg, 2),
+    }
+print(json.dumps(out))
+"""
+
+
+def test_the_student_copys_scratch_engine_is_the_learners_and_names_a_wrong_piece(
+    release: Path, tmp_path: Path
+):
+    """In the student copy `scratch` runs the learner's cells: 02's, with 03's moments when it prefetches and
+    04's optimizer when it offloads; each trains to single's losses and sends the formula's bytes, its state
+    equal to the accounting. A planted mistake in 02 stops `labkit compare` before any run, naming the piece."""
+    copy = learners_copy(release, tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    for notebook in ("02_zero3_from_scratch", "03_prefetch_overlap", "04_offload"):
+        type_in_the_filled_cells(copy, f"notebooks/{notebook}.ipynb")
+    r = subprocess.run(
+        [sys.executable, "-c", LEARNERS_RUNS], capture_output=True, text=True, env=env, cwd=copy, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert runs.pop("own") is False
+    for name, got in runs.items():
+        assert got["loss_rel"] < 1e-4 and got["wire"] == got["formula"], (name, got)
+        assert {k: b for k, b in got["accounting"].items() if k in got["state"]} == got["state"], (name, got)
+    assert (
+        runs["04"]["state"]["optimizer"] == 0 and runs["02"]["state"]["optimizer"] > 0
+    )  # m and v on the host
+    notebook = copy / "notebooks" / "02_zero3_from_scratch.ipynb"
+    text = notebook.read_text()
+    assert text.count("summed / unit.n") == 1
+    notebook.write_text(text.replace("summed / unit.n", "summed"))  # after_grad sums, never divides
+    r = subprocess.run(
+        [sys.executable, "-m", "labkit", "compare", "--engines", "scratch", "--no-prefetch", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=copy,
+        timeout=300,
+    )
+    assert r.returncode == 2 and r.stdout == "", r
+    assert (
+        "Your `after_grad` fails 02's `reduce_scatter` check, so the scratch engine of this copy (yours)"
+        in r.stderr
+    )

@@ -130,3 +130,29 @@ def test_beside_says_right_wrong_losses_and_wrong_bytes():
     )
     once = beside(records, "gathers_once", "tiny", 2)
     assert "but its wire bytes per step are all_gather" in once and "02's forward and backward checks" in once
+
+
+def test_the_student_copys_engine_reads_the_notebooks_a_run_needs_and_names_what_it_does_not_do():
+    """In the student copy the scratch engine is the learner's (labkit.buildalong.learners_engine): 02's cells,
+    03's for a prefetching run, 04's for an offloaded one; a setting it does not do is named, never ignored."""
+    from labkit.buildalong.cells import OFFLOAD_NOTEBOOK, PREFETCH_NOTEBOOK
+    from labkit.buildalong.learners_engine import unsupported, written_notebooks
+    from labkit.course import holds
+    from labkit.engines.base import RunConfig
+
+    assert written_notebooks(RunConfig(prefetch=False)) == (NOTEBOOK,)
+    assert written_notebooks(RunConfig(offload="cpu")) == (NOTEBOOK, PREFETCH_NOTEBOOK, OFFLOAD_NOTEBOOK)
+    assert (
+        unsupported(RunConfig()) == unsupported(RunConfig(offload="cpu", options={"split_root": False})) == ""
+    )
+    said = {
+        "dtype 'bfloat16'": RunConfig(dtype="bfloat16"),
+        "reshard_after_forward=False": RunConfig(reshard_after_forward=False),
+        "prefetch_depth 2": RunConfig(prefetch_depth=2),
+        "offload 'nvme'": RunConfig(offload="nvme"),
+        "activation_checkpointing = True": RunConfig(options={"activation_checkpointing": True}),
+        "split_root = True": RunConfig(options={"split_root": True}),
+    }
+    for words, cfg in said.items():
+        assert words in unsupported(cfg), (words, unsupported(cfg))
+    assert holds("labkit.zero") and holds("labkit.zero.hooks") and not holds("labkit.zero.nothing")

@@ -21,6 +21,7 @@ from labkit.course import course_path
 NOTEBOOK = "notebooks/02_zero3_from_scratch.ipynb"
 # 03's build cell writes 02's two gathering moments again, with prefetch
 PREFETCH_NOTEBOOK = "notebooks/03_prefetch_overlap.ipynb"
+OFFLOAD_NOTEBOOK = "notebooks/04_offload.ipynb"  # 04's build cell writes 02's make_optimizer again, offloaded
 BUILD, GIVEN = "build", "build-given"
 
 
@@ -38,6 +39,18 @@ def pieces_from_notebook(path: Path | None = None) -> Pieces:
 
 def notebook_namespace(path: Path | None = None) -> dict:
     """The namespace notebook 02's given and build cells leave: the pieces, `load`, `free`, `lab`."""
+    return namespace_of(path or course_path(NOTEBOOK))
+
+
+def prefetch_namespace(path: Path | None = None, notebook_02: Path | None = None) -> dict:
+    """02's namespace (`notebook_namespace`) with notebook 03's build cells run in it after 02's: its
+    before_forward and before_backward are 03's, with prefetch (the instructor's copy: filled)."""
+    return namespace_of(notebook_02 or course_path(NOTEBOOK), path or course_path(PREFETCH_NOTEBOOK))
+
+
+def namespace_of(*paths: Path) -> dict:
+    """The namespace the given and build cells of `paths` leave, run in that order in one namespace that starts
+    as 02's set-up cell gives its build cells (torch, dist, `lab`, `write_this_piece`)."""
     import torch
     import torch.distributed as dist
 
@@ -45,27 +58,26 @@ def notebook_namespace(path: Path | None = None) -> dict:
     from labkit.engines.base import RunConfig
 
     ns = {"torch": torch, "dist": dist, "lab": RunConfig(), "write_this_piece": write_this_piece}
-    for cell_id, source in build_cells(path).items():
-        exec(compile(source, f"<02 cell {cell_id}>", "exec"), ns)  # noqa: S102 (the course's own cells)
+    for path in paths:
+        for cell_id, source in build_cells(path).items():
+            exec(compile(source, f"<{path.name[:2]} cell {cell_id}>", "exec"), ns)  # noqa: S102 (the course's cells)
     return ns
 
 
-def prefetch_namespace(path: Path | None = None, notebook_02: Path | None = None) -> dict:
-    """02's namespace (`notebook_namespace`) with notebook 03's build cells run in it after 02's: its
-    before_forward and before_backward are 03's, with prefetch (the instructor's copy: filled)."""
-    ns = notebook_namespace(notebook_02)
-    for cell_id, source in build_cells(path or course_path(PREFETCH_NOTEBOOK)).items():
-        exec(compile(source, f"<03 cell {cell_id}>", "exec"), ns)  # noqa: S102 (the course's own cells)
-    return ns
+def stubbed(path: Path, ns: dict) -> list[str]:
+    """The functions `path`'s build cells define that are still stubs in `ns` (their code calls
+    `write_this_piece`), in the order the cells define them."""
+    names = [name for source in build_cells(path).values() for name in _DEFINES.findall(source)]
+    return [name for name in dict.fromkeys(names) if _is_stub(ns.get(name))]
+
+
+def _is_stub(fn) -> bool:
+    return fn is None or "write_this_piece" in getattr(getattr(fn, "__code__", None), "co_names", ())
 
 
 def unwritten_pieces(pieces: Pieces) -> list[str]:
     """The pieces still a stub (their code calls `write_this_piece`) or missing, in `Pieces` order."""
-    return [
-        name
-        for name, fn in vars(pieces).items()
-        if fn is None or "write_this_piece" in getattr(getattr(fn, "__code__", None), "co_names", ())
-    ]
+    return [name for name, fn in vars(pieces).items() if _is_stub(fn)]
 
 
 _DEFINES = re.compile(r"^def (\w+)\(", re.M)

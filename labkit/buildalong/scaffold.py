@@ -195,9 +195,12 @@ class Learner:
 
     pieces: Pieces
     name: str = "learner"
+    units: UnitSpec = (
+        None  # the modules to shard one at a time (None: `model.blocks`), as `attach` takes them
+    )
 
     def build(self, cfg: RunConfig, model: nn.Module, info: RankInfo) -> LearnerEngine:
-        return LearnerEngine(self.pieces, cfg, model, info, self.name)
+        return LearnerEngine(self.pieces, cfg, model, info, self.name, self.units)
 
 
 class LearnerEngine:
@@ -207,12 +210,18 @@ class LearnerEngine:
     """
 
     def __init__(
-        self, pieces: Pieces, cfg: RunConfig, model: nn.Module, info: RankInfo, name: str = "learner"
+        self,
+        pieces: Pieces,
+        cfg: RunConfig,
+        model: nn.Module,
+        info: RankInfo,
+        name: str = "learner",
+        units: UnitSpec = None,
     ):
         self.name = name
         self.model = to_rank_device(model, info.device)
         self.trace: list[tuple[str, str]] = []
-        self.units = attach(self.model, pieces, trace=self.trace)
+        self.units = attach(self.model, pieces, trace=self.trace, units=units)
         self.shards = [s for unit in self.units for s in unit.shards]
         make = pieces.make_optimizer or (lambda shards: adamw(shards, cfg))
         self.optimizer = make(self.shards)

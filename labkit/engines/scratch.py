@@ -1,4 +1,6 @@
-"""The `scratch` engine: labkit's own ZeRO-3 (`labkit.zero`) driving the lab's model.
+"""The `scratch` engine: labkit's own ZeRO-3 (`labkit.zero`) driving the lab's model; in the student copy, which
+ships no `labkit/zero/`, the learner's own (`labkit.buildalong.learners_engine`: their pieces of 02, 03 and 04,
+one root, torch's AdamW), with the same accounting below where the two differ (`labkits_own()`).
 
 Settings from `RunConfig`: `prefetch` and `prefetch_depth` (units gathered ahead), `reshard_after_forward`,
 `dtype` ("bfloat16": bf16 gathered weights and compute, float32 gradient reduction, master shards and AdamW),
@@ -22,22 +24,35 @@ from torch import nn
 
 from labkit.budget import UnitCost, collective_time_s, collective_wire_bytes, padded_numel
 from labkit.budget import exposed_floor as budget_floor
+from labkit.course import holds
 from labkit.engines import activation_checkpointing
 from labkit.engines.base import RankInfo, RunConfig, compute_dtype
 from labkit.engines.registry import SCRATCH
 from labkit.model import loss_fn
 from labkit.names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from labkit.probes.memory import STEP_SCALARS, in_categories
+from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, in_categories
 from labkit.units import INPUT, OUTPUT, UnitSpec, unit_plan
-from labkit.zero import ShardedAdamW, ZeRO3
-from labkit.zero.hsdp import hsdp_groups
 
 NAME = SCRATCH
 OPTIONS = ("hsdp_shard_size", "activation_checkpointing", "split_root")  # cfg.options it honours
 
 
+def labkits_own() -> bool:
+    """Whether this copy holds labkit's own ZeRO-3 (the instructor's); the student copy's scratch engine is the
+    learner's."""
+    return holds("labkit.zero")
+
+
 def check_run(cfg: RunConfig) -> None:
-    """Refuse, in one sentence naming the engine and the setting, any option this engine does not do."""
+    """Refuse, in one sentence naming the engine and the setting, any option this engine does not do; in the
+    student copy, any run the learner's engine cannot do yet (`learners_engine.refusal`)."""
+    if not labkits_own():
+        from labkit.buildalong import learners_engine
+
+        said = learners_engine.refusal(cfg)
+        if said:
+            raise ValueError(said)
+        return
     unknown = sorted(set(cfg.options) - set(OPTIONS))
     if unknown:
         whose = ""
@@ -47,6 +62,16 @@ def check_run(cfg: RunConfig) -> None:
             f"options {unknown}: the scratch engine has no such setting{whose}; it takes {', '.join(OPTIONS)}"
         )
     shard_size(cfg, cfg.world_size)
+
+
+def unavailable(cfg: RunConfig) -> str:
+    """ "" when this copy's scratch engine can run `cfg`; else `check_run`'s sentence saying why not (in the
+    student copy: the learner's engine, before its build cells are written and pass 02's checks)."""
+    try:
+        check_run(cfg)
+    except ValueError as refusal:
+        return str(refusal)
+    return ""
 
 
 def shard_size(cfg: RunConfig, world_size: int) -> int:
@@ -68,6 +93,9 @@ class ScratchEngine:
     name = NAME
 
     def __init__(self, model: nn.Module, cfg: RunConfig, info: RankInfo, units: UnitSpec = None):
+        from labkit.zero import ShardedAdamW, ZeRO3
+        from labkit.zero.hsdp import hsdp_groups
+
         self.model = model.to(info.device)
         g = shard_size(cfg, info.world_size)
         groups = hsdp_groups(g) if g < info.world_size else None
@@ -115,8 +143,9 @@ class ScratchEngine:
 
 def split_root(cfg: RunConfig, units: UnitSpec = None) -> bool:
     """Whether this run cuts the root into input and output units: `options["split_root"]`, by default for
-    the lab's model (`units` None: its blocks, whose order is the forward's) and not for named units."""
-    return bool(cfg.options.get("split_root", units is None))
+    the lab's model (`units` None: its blocks, whose order is the forward's) and not for named units; never
+    in the student copy (the learner's scaffold keeps one root)."""
+    return bool(cfg.options.get("split_root", units is None and labkits_own()))
 
 
 def unit_costs(model: nn.Module, cfg: RunConfig, world_size: int, units: UnitSpec = None) -> list[UnitCost]:
@@ -176,20 +205,30 @@ def state_bytes_by_term(model: nn.Module, cfg: RunConfig, world_size: int) -> di
     Each parameter keeps its fp32 master shard (padded on dim 0 to a multiple of g, the shard group: g =
     world_size without HSDP), 4 B x padded elements / g; a trained one also its fp32 gradient shard (4 B) and
     AdamW's exp_avg and exp_avg_sq (8 B). `ShardedAdamW` counts its steps in one Python int, so it keeps
-    no step scalar: 0 B. Without padding or frozen parameters that is 16 B/param / g.
+    no step scalar: 0 B. Without padding or frozen parameters that is 16 B/param / g. The student copy's
+    engine (the learner's) runs torch's AdamW: one float32 `step` per trained shard, and offloaded (04) a
+    host copy of each trained shard with its gradient beside m and v (16 B), its step scalars with them.
     """
     g = shard_size(cfg, world_size)
     params = list(model.parameters())
     every = sum(padded_numel(tuple(p.shape), g) // g for p in params)
     trained = sum(padded_numel(tuple(p.shape), g) // g for p in params if p.requires_grad)
     optimizer = "host_optimizer" if cfg.offload == "cpu" else "optimizer"
-    moments = {"optimizer": 0} | {optimizer: 8 * trained}
-    return {"params": 4 * every, "grads": 4 * trained, **moments, STEP_SCALARS: 0}
+    if labkits_own():
+        moments = {"optimizer": 0} | {optimizer: 8 * trained}
+        return {"params": 4 * every, "grads": 4 * trained, **moments, STEP_SCALARS: 0}
+    steps = STEP_SCALAR_BYTES * sum(p.requires_grad for p in params)
+    moments = {"optimizer": 0} | {optimizer: (16 if cfg.offload == "cpu" else 8) * trained}
+    return {"params": 4 * every, "grads": 4 * trained, **moments, STEP_SCALARS: steps}
 
 
 def state_bytes_accounting(model: nn.Module, cfg: RunConfig, world_size: int) -> dict[str, int]:
-    """`state_bytes_by_term` in the probe's categories: params, grads, optimizer (and host_optimizer), bytes."""
-    return in_categories(state_bytes_by_term(model, cfg, world_size))
+    """`state_bytes_by_term` in the probe's categories: params, grads, optimizer (and host_optimizer), bytes;
+    step scalars the learner's offloaded AdamW keeps on the host count there."""
+    terms = state_bytes_by_term(model, cfg, world_size)
+    if "host_optimizer" in terms and not labkits_own():
+        terms["host_optimizer"] += terms.pop(STEP_SCALARS)
+    return in_categories(terms)
 
 
 def exposed_floor(
@@ -205,5 +244,14 @@ def exposed_floor(
     return budget_floor(unit_costs(model, cfg, world_size, units), cfg.prefetch_depth or 1, seconds)
 
 
-def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo) -> ScratchEngine:
-    return ScratchEngine(activation_checkpointing.apply(model, cfg), cfg, rank_info)
+def engine(model: nn.Module, cfg: RunConfig, info: RankInfo, units: UnitSpec = None):
+    """This copy's scratch engine on this rank: `ScratchEngine`, or the learner's in the student copy."""
+    if labkits_own():
+        return ScratchEngine(model, cfg, info, units)
+    from labkit.buildalong import learners_engine
+
+    return learners_engine.build(cfg, model, info, units)
+
+
+def build(cfg: RunConfig, model: nn.Module, rank_info: RankInfo):
+    return engine(activation_checkpointing.apply(model, cfg), cfg, rank_info)

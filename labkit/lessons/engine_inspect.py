@@ -17,7 +17,6 @@ from labkit.engines import fsdp1
 from labkit.engines.base import RunConfig
 from labkit.engines.on_rank import rank_batch, rank_info, rank_model
 from labkit.model import build_model, loss_fn
-from labkit.zero import ShardedAdamW, ZeRO3
 
 
 def inspect_flat(cfg: RunConfig) -> list[dict[str, Any]]:
@@ -76,8 +75,10 @@ def _unit_name(root: nn.Module, unit: nn.Module) -> str:
 def hook_trace(model_name: str = "tiny", steps: int = 2) -> list[tuple[int, str, str]]:
     """On this rank, train `steps` scratch steps and return (step, moment, unit) for every hook that fired.
 
-    Run it under `labkit.launch`; the notebook on the scratch engine prints rank 0's list.
+    Run it under `labkit.launch`, in the instructor's copy (labkit's own ZeRO-3 is not in the student copy).
     """
+    from labkit.zero import ShardedAdamW, ZeRO3
+
     trace: list = []
     model = rank_model(model_name)
     zero = ZeRO3(model, trace=trace)

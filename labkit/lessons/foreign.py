@@ -17,7 +17,7 @@ from labkit.engines import scratch, single
 from labkit.engines.base import RunConfig
 from labkit.engines.on_rank import rank_info, timed_step, to_rank_device
 from labkit.probes import Probes, state_bytes
-from labkit.units import instances_of
+from labkit.units import instances_of, unit_plan
 
 VOCAB, WIDTH, HEADS, FEED_FORWARD, LAYERS, SEQ = 29, 25, 5, 37, 2, 11
 GLOBAL_BATCH = 12  # sequences per step: divides by 2, 3 and 4 ranks
@@ -58,7 +58,8 @@ def encoder_run(steps: int = 3) -> dict[str, Any]:
     cfg = RunConfig(world_size=info.world_size, steps=steps)
     oracle = single.SingleEngine(build_encoder(), cfg, info.device)
     model = to_rank_device(build_encoder())
-    engine = scratch.ScratchEngine(model, cfg, info, units=instances_of(nn.TransformerEncoderLayer))
+    layers = instances_of(nn.TransformerEncoderLayer)
+    engine = scratch.engine(model, cfg, info, units=layers)
     per = GLOBAL_BATCH // info.world_size
     losses, oracle_losses = [], []
     with Probes(info.rank, info.device) as probes:
@@ -79,7 +80,8 @@ def encoder_run(steps: int = 3) -> dict[str, Any]:
         "losses": losses,
         "single_losses": oracle_losses,
         "units": {
-            u.name: sum(sp.d0 * sp.shard.shape[1:].numel() for sp in u.params) for u in engine.zero.units
+            name: sum(p.numel() for _, p in params)
+            for name, _, params in unit_plan(build_encoder(), layers, scratch.split_root(cfg, layers))
         },
         "comm": probes.comm.summary(steps - 1),
         "state_bytes": state_bytes(engine.state_tensors()),
