@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from labkit.budget import _ring_bytes_all_ranks, plan, ring_link_bytes
+from labkit.budget import plan, ring_link_bytes
+from labkit.budget.ring import ring_bytes_all_ranks
 from labkit.engines import fsdp2
 from labkit.engines.base import RunConfig
 from labkit.model import build_model, count_params
@@ -257,7 +258,7 @@ def test_the_ring_rule_in_closed_form_is_the_rule_applied_group_by_group():
         by_group = _add(
             *(ring_link_bytes("all_gather", 1024 * size, [r // per_node for r in g]) for g in groups)
         )
-        assert by_group == _ring_bytes_all_ranks("all_gather", 1024 * size, n, size, per_node, strided)
+        assert by_group == ring_bytes_all_ranks("all_gather", 1024 * size, n, size, per_node, strided)
     # A ring over 2 nodes of 2 ranks: 2 of its 4 links cross; inside one node none does.
     assert ring_link_bytes("reduce_scatter", 400, [0, 0, 1, 1]) == {"intra_node": 600, "inter_node": 600}
     assert ring_link_bytes("reduce_scatter", 400, [0, 0, 0, 0]) == {"intra_node": 1200, "inter_node": 0}

@@ -41,7 +41,6 @@ from .machine import (
 from .memory import Memory, fit_verdict, host_bytes_per_node, memory_terms, transient_bytes
 from .planner import model_options, plan
 from .quantities import format_bytes, format_count, parse_quantity
-from .ring import _ring_bytes_all_ranks as _ring_bytes_all_ranks  # tests/test_multinode.py checks it
 from .ring import (
     collective_wire_bytes,
     padded_flat_numel,

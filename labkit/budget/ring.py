@@ -50,7 +50,7 @@ def ring_link_bytes(kind: str, payload_bytes: int, group_nodes: Sequence) -> dic
     return {"intra_node": (n - crossing) * wire, "inter_node": crossing * wire}
 
 
-def _ring_bytes_all_ranks(kind: str, payload_bytes: int, n: int, size: int, gpn: int, strided: bool) -> dict:
+def ring_bytes_all_ranks(kind: str, payload_bytes: int, n: int, size: int, gpn: int, strided: bool) -> dict:
     """`ring_link_bytes` summed over every group of one collective, rank r on node r // gpn.
 
     The groups partition the n ranks: consecutive blocks of `size` ranks, or (`strided`, HSDP's replicate

@@ -10,7 +10,7 @@ from labkit.names import ALL_GATHER, ALL_REDUCE, DATA_PARALLEL, HSDP, REDUCE_SCA
 
 from .inputs import PRECISIONS, PlanInputs
 from .machine import machine_collective_s
-from .ring import _ring_bytes_all_ranks, collective_wire_bytes, padded_flat_numel
+from .ring import collective_wire_bytes, padded_flat_numel, ring_bytes_all_ranks
 
 TRAFFIC_KEYS = (
     "all_gather_forward",
@@ -178,7 +178,7 @@ def traffic_terms(p: PlanInputs, machine: dict | None = None) -> list[Term]:
         else:
             payload = int(numel * elem_bytes[c.moves])
         wire = collective_wire_bytes(c.kind, payload, size)
-        ring = _ring_bytes_all_ranks(c.kind, payload, p.world_size, size, p.gpus_per_node, strided)
+        ring = ring_bytes_all_ranks(c.kind, payload, p.world_size, size, p.gpus_per_node, strided)
         calls = -(-payload // DDP_BUCKET_BYTES) if p.strategy == DATA_PARALLEL else p.layers + p.root_units
         backend_s = machine_collective_s(machine, c.kind, size, wire, calls) if machine and size > 1 else 0.0
         link_s = wire / bandwidth[link]
