@@ -250,7 +250,7 @@ def test_the_student_03_runs_on_its_stubs_and_checks_the_learners_own_engine(
     assert "Not yet: your engine's timeline is drawn once the check above passes." in stubbed
     # the student copy's scratch engine is theirs: measured once their 02 and 03 are written, FSDP2 sets the link
     assert (
-        "prefetch on: not measured yet. The scratch engine of this copy is yours: your 02 still has shard"
+        "yours, prefetch on: not measured yet. The scratch engine of this copy is yours: your 02 still has shard"
         in stubbed
     )
     assert "Until then FSDP2's step sets the link." in stubbed
@@ -260,5 +260,5 @@ def test_the_student_03_runs_on_its_stubs_and_checks_the_learners_own_engine(
     written = executed_text(release, release / PREFETCH_NOTEBOOK, monkeypatch)
     assert "✓ prefetch: losses equal to single's over 3 steps" in written, written
     assert "Not yet" not in written and "not measured yet" not in written
-    assert "prefetch off: step " in written and "prefetch on: step " in written  # their engine, off and on
+    assert "yours, prefetch off: step " in written and "yours, prefetch on: step " in written  # their engine
     assert "FSDP2's step sets the link" not in written

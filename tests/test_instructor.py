@@ -565,11 +565,13 @@ def test_cheat_sheet_quotes_the_line_an_executed_notebook_printed(tmp_path):
     source = (ROOT / "docs" / "cheatsheets" / f"{name}.md").read_text()
     nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
     printed = (
-        "prefetch on: step 72.1 ms (IQR 70.2 to 75.0 over 6) (the slowest rank's); "
+        "scratch, prefetch on: step 72.1 ms (IQR 70.2 to 75.0 over 6) (the slowest rank's); "
         "rank 0 blocked on collectives 20.3 ms (IQR 18.9 to 22.0 over 6) per step"
     )
     cell = next(c for c in nb.cells if c.cell_type == "code")
-    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"prefetch off: ...\n{printed}\n")]
+    cell.outputs = [
+        nbformat.v4.new_output("stream", name="stdout", text=f"scratch, prefetch off: ...\n{printed}\n")
+    ]
     (tmp_path / "nbs").mkdir()
     nbformat.write(nb, tmp_path / "nbs" / f"{name}.ipynb")
     slides.build(tmp_path / "out", tmp_path / "nbs", log=lambda *_: None)
