@@ -64,6 +64,11 @@ class Measured:
         """The same repeats times `factor` (seconds to ms: 1e3)."""
         return Measured(tuple(v * factor for v in self.values))
 
+    def shown(self, factor: float = 1e3, digits: int = 1) -> float:
+        """The median as `text` prints it (times `factor`, rounded to `digits`): a sentence's ratio of two
+        figures is taken from these, so that it is the ratio of the numbers printed beside it."""
+        return round(self.scaled(factor).median, digits)
+
     def text(self, unit: str = "ms", factor: float = 1e3, digits: int = 1) -> str:
         """'12.3 ms (IQR 11.8 to 13.1 over 5)': the median and its interquartile range, in `unit`."""
         m = self.scaled(factor)

@@ -28,6 +28,14 @@ def test_prefetch_is_said_to_cut_only_when_the_spreads_part():
     assert lines[2] == f"Prefetch cut the exposed time to 29% of the {off.exposed.text()} without it."
 
 
+def test_the_cut_is_the_ratio_of_the_figures_printed_beside_it():
+    """13.649 / 51.4 is 26.55 %, but the sentence prints 13.6 and 51.4 ms: their ratio, 26 %, is what it says."""
+    on, off = _run([13.0, 13.5, 13.649, 13.7, 14.0]), _run([50.0, 51.0, 51.4, 52.0, 53.0])
+    said = prefetch_lines(on, off, FLOOR_S)
+    assert said[0].startswith("measured with prefetch: 13.6 ms (IQR ")
+    assert said[2] == f"Prefetch cut the exposed time to 26% of the {off.exposed.text()} without it."
+
+
 def test_overlapping_spreads_give_one_sentence_and_no_verdict():
     on, off = _run([20, 30, 40, 50, 60]), _run([35, 40, 45, 50, 55])
     said = prefetch_lines(on, off, FLOOR_S)[2]

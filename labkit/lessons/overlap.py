@@ -100,7 +100,7 @@ def prefetch_lines(on: Overlap, off: Overlap, floor_s: float) -> list[str]:
     cut = compare(on.exposed, off.exposed)
     if cut < 0:
         lines.append(
-            f"Prefetch cut the exposed time to {on.exposed.median / off.exposed.median:.0%} of the "
+            f"Prefetch cut the exposed time to {on.exposed.shown() / off.exposed.shown():.0%} of the "
             f"{off.exposed.text()} without it."
         )
     else:
