@@ -111,9 +111,8 @@ def release_student(
     )
     answers = answer_lines(root)
     leaks = answer_leaks(out, answers, skip=(REFERENCE,) if reference else ())
-    if (
-        reference and not leaks
-    ):  # reference/ holds the filled build cells: only the solutions' lines count there
+    # reference/ holds the filled build cells: there only the solutions' lines count
+    if reference and not leaks:
         solved = {line: where for line, where in answers.items() if " build cell " not in where}
         due = _exercises_shown(out / REFERENCE, solved, root) - set(past)
         if due:

@@ -213,12 +213,10 @@ def state_bytes_by_term(model: nn.Module, cfg: RunConfig, world_size: int) -> di
     params = list(model.parameters())
     every = sum(padded_numel(tuple(p.shape), g) // g for p in params)
     trained = sum(padded_numel(tuple(p.shape), g) // g for p in params if p.requires_grad)
-    optimizer = "host_optimizer" if cfg.offload == "cpu" else "optimizer"
-    if labkits_own():
-        moments = {"optimizer": 0} | {optimizer: 8 * trained}
-        return {"params": 4 * every, "grads": 4 * trained, **moments, STEP_SCALARS: 0}
-    steps = STEP_SCALAR_BYTES * sum(p.requires_grad for p in params)
-    moments = {"optimizer": 0} | {optimizer: (16 if cfg.offload == "cpu" else 8) * trained}
+    offloaded, own = cfg.offload == "cpu", labkits_own()
+    host_copies = 0 if own or not offloaded else 8  # the learner's offload: a host copy and its gradient
+    steps = 0 if own else STEP_SCALAR_BYTES * sum(p.requires_grad for p in params)
+    moments = {"optimizer": 0} | {"host_optimizer" if offloaded else "optimizer": (8 + host_copies) * trained}
     return {"params": 4 * every, "grads": 4 * trained, **moments, STEP_SCALARS: steps}
 
 
