@@ -116,4 +116,6 @@ def follow_streams(stdout, stderr, old_stderr: set[int]) -> None:
     for logger in loggers:
         for handler in logger.handlers:
             if type(handler) is logging.StreamHandler:
-                handler.setStream(stderr if id(handler.stream) in old_stderr else stdout)
+                # assigned, not setStream: that flushes the old stream, the parent's (its buffer would print
+                # twice), which may be closed by now (a finished test's capture)
+                handler.stream = stderr if id(handler.stream) in old_stderr else stdout

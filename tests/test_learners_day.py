@@ -332,3 +332,27 @@ def test_the_rooflines_labels_do_not_overlap(tokens):
     ]
     assert len([t for t in ticks if t in ax.get_xticklabels(which="both")]) >= 2
     assert overlapping == []
+
+
+def test_a_rank_moves_inherited_log_handlers_even_off_a_closed_stream():
+    """A handler made in the parent may write to a stream closed since (an earlier test's capture): the rank
+    points it at its own streams without touching the old one (a flush there raised, and rank 0 exited)."""
+    import io
+    import logging
+    import os
+
+    from labkit.rank_output import follow_streams
+
+    closed = open(os.devnull, "w")  # noqa: SIM115 (closed at once: the stream a finished capture leaves)
+    closed.close()
+    old_err, out, err = io.StringIO(), io.StringIO(), io.StringIO()
+    logger = logging.getLogger("labkit-test-closed-stream")
+    handlers = [logging.StreamHandler(closed), logging.StreamHandler(old_err)]
+    for handler in handlers:
+        logger.addHandler(handler)
+    try:
+        follow_streams(out, err, {id(old_err)})
+        assert [h.stream for h in handlers] == [out, err]
+    finally:
+        for handler in handlers:
+            logger.removeHandler(handler)
