@@ -234,6 +234,7 @@ def test_the_student_04_runs_on_its_stubs_and_measures_the_learners_own_engine(
     student_release: Path, tmp_path: Path, monkeypatch, executed
 ):
     from labkit.buildalong.cells import NOTEBOOK as NOTEBOOK_02
+    from labkit.buildalong.cells import PREFETCH_NOTEBOOK
 
     release = learners_copy(student_release, tmp_path)
     stubbed = executed_text(release, release / NOTEBOOK, monkeypatch)
@@ -244,7 +245,7 @@ def test_the_student_04_runs_on_its_stubs_and_measures_the_learners_own_engine(
         "Not yet: the prediction is answered by your engine's rows, once the check above passes." in stubbed
     )
     assert "deepspeed, optimizer" in stubbed  # the libraries' measurement goes on
-    for notebook in (NOTEBOOK_02, NOTEBOOK):  # their 02, then their 04
+    for notebook in (NOTEBOOK_02, PREFETCH_NOTEBOOK, NOTEBOOK):  # their 02, 03 (its prefetch), then their 04
         type_in_the_filled_cells(release, notebook)
     written = executed_text(release, release / NOTEBOOK, monkeypatch)
     assert "✓ offload: AdamW's weights, m and v on the host" in written, written

@@ -6,6 +6,7 @@ write a release are marked slow by hand (tests/conftest.py lists whole modules).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -17,6 +18,9 @@ from labkit.buildalong.cells import PREFETCH_NOTEBOOK, notebook_namespace, prefe
 from labkit.buildalong.prefetch_check import check_prefetch
 from labkit.buildalong.stubs import NotWritten, write_this_piece
 from labkit.course import course_path
+from labkit.engines import scratch
+from labkit.engines.base import RunConfig
+from labkit.model import build_model
 
 slow = pytest.mark.slow
 FILLED = prefetch_namespace()  # 02's filled pieces, then 03's filled build cell over them
@@ -249,10 +253,7 @@ def test_the_student_03_runs_on_its_stubs_and_checks_the_learners_own_engine(
     assert "✗ prefetch: write this piece: before_forward (" in stubbed
     assert "Not yet: your engine's timeline is drawn once the check above passes." in stubbed
     # the student copy's scratch engine is theirs: measured once their 02 and 03 are written, FSDP2 sets the link
-    assert (
-        "yours, prefetch on: not measured yet. The scratch engine of this copy is yours: your 02 still has shard"
-        in stubbed
-    )
+    assert "yours, prefetch on: not measured yet. Your 02 still has shard, gather, before_forward" in stubbed
     assert "Until then FSDP2's step sets the link." in stubbed
     assert "prefetch on: step " not in stubbed
     for notebook in (NOTEBOOK, PREFETCH_NOTEBOOK):  # their 02, then their 03
@@ -262,3 +263,11 @@ def test_the_student_03_runs_on_its_stubs_and_checks_the_learners_own_engine(
     assert "Not yet" not in written and "not measured yet" not in written
     assert "yours, prefetch off: step " in written and "yours, prefetch on: step " in written  # their engine
     assert "FSDP2's step sets the link" not in written
+    # their figures are those of labkit's engine on the same plan (one root, split_root=False), to the byte
+    net, one_root = build_model("tiny"), RunConfig(model="tiny", world_size=2, options={"split_root": False})
+    assert f"{sum(scratch.predicted_wire_bytes(net, one_root, 2).values()):,} wire bytes ->" in written
+    for unit in scratch.unit_costs(net, one_root, 2):
+        row = rf"^{re.escape(unit.name)} +{unit.gather_wire_bytes:,} +\S+ +{unit.reduce_wire_bytes:,} "
+        assert re.search(row, written, re.M), (row, written)
+    floor = scratch.exposed_floor(net, one_root, 2)["exposed"]
+    assert "nothing to hide behind: " + "; ".join(f"{unit} {what}" for unit, what in floor) in written

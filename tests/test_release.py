@@ -456,18 +456,22 @@ def test_compare_in_the_student_copy_refuses_what_the_learners_engine_cannot_run
         )
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r
         said[flags[-1]] = r.stderr
-    assert "your 02 still has shard, gather, before_forward" in said["scratch,fsdp2"]
-    assert "it does not do --hsdp = 2: run it without that setting." in said["4"]
+    assert "Your 02 still has shard, gather, before_forward" in said["scratch,fsdp2"]
+    assert (
+        "Your engine does not do --hsdp = 2, so the scratch engine of this copy (yours) cannot run: leave"
+        in said["4"]
+    )
 
 
 def test_the_student_07_runs_the_learners_engine_as_the_instructors_copy_runs_the_filled_cells(
     release: Path, tmp_path: Path, monkeypatch, executed
 ):
-    """No row of labkit's engine; the learner's (their 02, here the filled cells) beside the libraries, with
+    """No row of labkit's engine; the learner's (their 02 and 03, here the filled cells) beside the libraries, with
     the losses and bytes the instructor's copy measures for the same cells."""
     name = "07_head_to_head.ipynb"
     copy = learners_copy(release, tmp_path)
-    type_in_the_filled_cells(copy, "notebooks/02_zero3_from_scratch.ipynb")
+    for notebook in ("02_zero3_from_scratch", "03_prefetch_overlap"):  # 07's runs prefetch: 03's moments
+        type_in_the_filled_cells(copy, f"notebooks/{notebook}.ipynb")
     written = executed_text(copy, copy / "notebooks" / name, monkeypatch)
     instructor = "\n".join(
         "".join(o.get("text", "") for o in c.get("outputs", [])) for c in executed(name).cells
@@ -539,7 +543,8 @@ def test_the_student_copys_scratch_engine_is_the_learners_and_names_a_wrong_piec
 ):
     """In the student copy `scratch` runs the learner's cells: 02's, with 03's moments when it prefetches and
     04's optimizer when it offloads; each trains to single's losses and sends the formula's bytes, its state
-    equal to the accounting. A planted mistake in 02 stops `labkit compare` before any run, naming the piece."""
+    equal to the accounting. A planted mistake in 02, then one in 03, stops `labkit compare` before any run,
+    naming the piece and its check."""
     copy = learners_copy(release, tmp_path)
     env = {**os.environ, "PYTHONPATH": str(copy)}
     for notebook in ("02_zero3_from_scratch", "03_prefetch_overlap", "04_offload"):
@@ -573,3 +578,19 @@ def test_the_student_copys_scratch_engine_is_the_learners_and_names_a_wrong_piec
         "Your `after_grad` fails 02's `reduce_scatter` check, so the scratch engine of this copy (yours)"
         in r.stderr
     )
+    # 02 put right, and 03's forward moment without its prefetch: a prefetching run names 03's check
+    notebook.write_text(text)
+    prefetching = copy / "notebooks" / "03_prefetch_overlap.ipynb"
+    line = "start_gather(unit.next)  # in flight while this unit computes"
+    assert prefetching.read_text().count(line) == 1
+    prefetching.write_text(prefetching.read_text().replace(line, "pass"))
+    r = subprocess.run(
+        [sys.executable, "-m", "labkit", "compare", "--engines", "scratch", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=copy,
+        timeout=300,
+    )
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r
+    assert "Your `before_forward` and `before_backward` fail 03's `prefetch` check, so" in r.stderr, r.stderr

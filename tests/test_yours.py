@@ -14,10 +14,19 @@ import torch
 import torch.distributed as dist
 from planted import FILLED
 
-from labkit.buildalong.cells import NOTEBOOK, pieces_from_notebook
+from labkit.buildalong.cells import (
+    NOTEBOOK,
+    OFFLOAD_NOTEBOOK,
+    PREFETCH_NOTEBOOK,
+    pieces_from_notebook,
+    prefetch_namespace,
+)
+from labkit.buildalong.learners_engine import failing_pieces, refusal
 from labkit.buildalong.scaffold import Learner
-from labkit.buildalong.yours import NAME, beside, failing_pieces, formula_wire_bytes, your_engine
-from labkit.course import course_path
+from labkit.buildalong.verdicts import formula_wire_bytes
+from labkit.buildalong.yours import NAME, TABLE, beside, your_engine
+from labkit.course import COURSE_ENV, course_path
+from labkit.engines.base import RunConfig
 
 PIECES = pieces_from_notebook()
 PLANTED = {  # the piece a mistake is in: (the pieces with it, the 02 check that fails, words of what it saw)
@@ -59,10 +68,24 @@ PLANTED = {  # the piece a mistake is in: (the pieces with it, the 02 check that
 }
 
 
-@pytest.mark.slow  # a launch of 3 ranks
-def test_the_filled_02_gives_an_engine_named_yours():
-    learner, waiting = your_engine()
+@pytest.mark.slow  # a launch of 3 ranks (02's checks), then one of 2 ranks for 03's and 04's each
+def test_the_filled_cells_give_an_engine_named_yours_with_the_pieces_its_settings_need():
+    learner, waiting = your_engine(RunConfig(offload="cpu"))
     assert isinstance(learner, Learner) and learner.name == NAME and waiting == ""
+    prefetching = prefetch_namespace()
+    assert (
+        learner.pieces.before_forward.__code__.co_filename
+        == prefetching["before_forward"].__code__.co_filename
+    )
+    assert learner.pieces.make_optimizer.__code__.co_filename.startswith("<04 cell")
+    plain, _ = your_engine(RunConfig(prefetch=False))
+    assert plain.pieces.before_forward.__code__.co_filename.startswith("<02 cell")
+    assert plain.pieces.make_optimizer.__code__.co_filename.startswith("<02 cell")
+    said = your_engine(RunConfig(dtype="bfloat16"))[1]
+    assert (
+        said
+        == f"Your engine does not do dtype 'bfloat16' (yours computes in float32), so {TABLE}: leave that setting out."
+    )
 
 
 def test_a_stub_in_02_names_the_piece_and_gives_no_engine(tmp_path: Path):
@@ -73,7 +96,7 @@ def test_a_stub_in_02_names_the_piece_and_gives_no_engine(tmp_path: Path):
             cell.source, stubbed = cell.metadata["labkit"]["stub"], stubbed + 1
     assert stubbed == 1
     nbformat.write(nb, tmp_path / "02.ipynb")
-    learner, waiting = your_engine(tmp_path / "02.ipynb")
+    learner, waiting = your_engine(RunConfig(prefetch=False), notebook=tmp_path / "02.ipynb")
     assert learner is None and waiting.startswith("Your 02 still has after_grad to write")
 
 
@@ -82,7 +105,9 @@ def test_before_any_run_a_wrong_piece_is_named_with_the_02_check_to_run_again():
     # The correct pieces and one mistake in each piece, all checked in one launch of 3 ranks.
     said = dict(
         zip(
-            ["correct", *PLANTED], failing_pieces([PIECES, *(p for p, _, _ in PLANTED.values())]), strict=True
+            ["correct", *PLANTED],
+            failing_pieces([PIECES, *(p for p, _, _ in PLANTED.values())], TABLE),
+            strict=True,
         )
     )
     assert said.pop("correct") == ""
@@ -98,8 +123,41 @@ def test_a_wrong_piece_in_02_gives_no_engine(tmp_path: Path):
     (cell,) = [c for c in nb.cells if "build" in c.metadata.get("tags", []) and "def after_grad" in c.source]
     cell.source = cell.source.replace("s.grad = summed / unit.n", "s.grad = summed")
     nbformat.write(nb, tmp_path / "02.ipynb")
-    learner, said = your_engine(tmp_path / "02.ipynb")
+    learner, said = your_engine(RunConfig(prefetch=False), notebook=tmp_path / "02.ipynb")
     assert learner is None and said.startswith("Your `after_grad` fails 02's `reduce_scatter` check"), said
+
+
+PLANTED_LATER = {  # a mistake in 03's or 04's build cell: (the notebook, the line, what replaces it)
+    "03": (PREFETCH_NOTEBOOK, "start_gather(unit.next)  # in flight while this unit computes", "pass"),
+    "04": (OFFLOAD_NOTEBOOK, "s.copy_(h)", "pass"),
+}
+
+
+@pytest.mark.slow  # 02's checks (3 ranks), then 03's and 04's (2 ranks each), per planted course
+@pytest.mark.parametrize("notebook", PLANTED_LATER)
+def test_before_a_run_a_wrong_03_or_04_piece_is_named_with_its_check(notebook, tmp_path: Path, monkeypatch):
+    """A prefetching run reads 03's moments and an offloaded one 04's optimizer: a mistake there is named before
+    any run, with the check cell that sees it (03: no prefetch in the forward; 04: weights never copied back)."""
+    course = tmp_path / "course"
+    (course / "exercises").mkdir(parents=True)
+    (course / "notebooks").mkdir()
+    for nb in (NOTEBOOK, PREFETCH_NOTEBOOK, OFFLOAD_NOTEBOOK):
+        (course / nb).write_text(course_path(nb).read_text())
+    path, line, planted_line = PLANTED_LATER[notebook]
+    text = (course / path).read_text()
+    assert text.count(line) == 1
+    (course / path).write_text(text.replace(line, planted_line))
+    monkeypatch.setenv(COURSE_ENV, str(course))
+    said = refusal(RunConfig(world_size=2, prefetch=notebook == "03", offload="cpu"), TABLE)
+    pieces, check, saw = {
+        "03": ("`before_forward` and `before_backward` fail", "03's `prefetch` check", "order: "),
+        "04": ("`make_optimizer` fails", "04's `offload` check", "weights: "),
+    }[notebook]
+    assert said.startswith(f"Your {pieces} {check}, so {TABLE}: "), said
+    assert saw in said and said.endswith(
+        f"fix {'them' if notebook == '03' else 'it'} in {notebook} and run that check cell again."
+    )
+    assert "\n" not in said
 
 
 def test_the_formula_is_two_gathers_and_one_scatter_of_the_padded_parameters():

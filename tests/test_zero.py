@@ -446,10 +446,10 @@ def test_options_the_scratch_engine_does_not_implement_are_refused_in_one_senten
 # ------------------------------------------------------------------------------------------ the split root
 
 
-def _split_trace_and_losses(depth: int, steps: int = 3) -> tuple[list, list[float]]:
+def _split_trace_and_losses(depth: int, steps: int = 3, split: bool = True) -> tuple[list, list[float]]:
     trace = []
     model = build_model("tiny_uneven")
-    zero = ZeRO3(model, trace=trace, split_root=True, prefetch_depth=depth)
+    zero = ZeRO3(model, trace=trace, split_root=split, prefetch_depth=depth)
     opt = ShardedAdamW(zero.shards(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     losses = []
     for step in range(steps):
@@ -501,6 +501,34 @@ def test_the_floor_of_the_split_plan_is_the_input_unit_and_block_0s_forward_gath
     assert timed["comm_s"] == pytest.approx(floor["comm_wire_bytes"] / 1e9)
 
 
+def test_the_floor_of_one_root_is_its_gathers_and_reduce_scatter_and_block_0s_as_the_root_is_scheduled(
+    zero_launch,
+):
+    """A root kept whole (the learner's scaffold, a model with named units) is gathered before the forward with
+    only its embedding lookups before block 0, gathered again first in the backward, and reduced last: the
+    floor holds both its gathers, its reduce-scatter and block 0's forward gather and reduce-scatter."""
+    model, cfg = build_model("tiny"), RunConfig(model="tiny", world_size=2, options={"split_root": False})
+    floor = scratch.exposed_floor(model, cfg, 2)
+    assert floor["exposed"] == [
+        ("root", "forward all-gather"),
+        ("blocks.0", "forward all-gather"),
+        ("root", "backward all-gather"),
+        ("blocks.0", "reduce-scatter"),
+        ("root", "reduce-scatter"),
+    ]
+    costs = {u.name: u for u in scratch.unit_costs(model, cfg, 2)}
+    root, block = costs["root"], costs["blocks.0"]
+    assert floor["floor_wire_bytes"] == 2 * root.gather_wire_bytes + root.reduce_wire_bytes + (
+        block.gather_wire_bytes + block.reduce_wire_bytes
+    )
+    assert floor["comm_wire_bytes"] == sum(scratch.predicted_wire_bytes(model, cfg, 2).values())
+    # the schedule this weighs, as labkit's engine runs one root: first gathered in each pass, last reduced
+    trace, _ = zero_launch(3)["one root"]
+    assert [u for m, u in trace if m == "before_forward"][:2] == ["root", "blocks.0"]
+    assert [u for m, u in trace if m == "before_backward"][0] == "root"
+    assert [u for m, u in trace if m == "after_grad"][-1] == "root"
+
+
 # ------------------------------------------------------------------------------------------ the launches
 
 
@@ -526,6 +554,7 @@ def zero_jobs(n: int, path: str) -> dict[str, Job]:
     if n == 3:
         for depth in (1, 2):
             jobs[f"split root, depth {depth}"] = job(_split_trace_and_losses, depth)
+        jobs["one root"] = job(_split_trace_and_losses, 1, 1, False)
     if n == 4:
         jobs["checkpoint saved"] = job(_train_save_resume, CHECKPOINT, f"{path}/4", "save")
     jobs["checkpoint resumed"] = job(_train_save_resume, CHECKPOINT, f"{path}/4", "load")

@@ -54,6 +54,9 @@ class UnitCost(NamedTuple):
     reduce_wire_bytes: int  # its reduce-scatter
     backward_gather: bool  # gathered again before its backward (False: kept since its forward)
     computes: bool  # has compute of its own beside which a collective can run (an embedding lookup has none)
+    forward_gather: bool = (
+        True  # gathered before its forward here (False: a unit's backward side, see scratch)
+    )
 
 
 def exposed_floor(
@@ -76,14 +79,18 @@ def exposed_floor(
     order, exposed = list(units), []
     back = order[::-1]
     for i, u in enumerate(order):
-        if not any(v.computes for v in order[max(0, i - prefetch_depth) : i]):
+        if u.forward_gather and not any(v.computes for v in order[max(0, i - prefetch_depth) : i]):
             exposed.append((u.name, "forward all-gather", ALL_GATHER, u.gather_wire_bytes))
     for i, u in enumerate(back):
         if u.backward_gather and not any(v.computes for v in back[max(0, i - prefetch_depth) : i]):
             exposed.append((u.name, "backward all-gather", ALL_GATHER, u.gather_wire_bytes))
         if not any(v.computes for v in back[i + 1 :]):
             exposed.append((u.name, "reduce-scatter", REDUCE_SCATTER, u.reduce_wire_bytes))
-    every = [c for u in order for c in ((ALL_GATHER, u.gather_wire_bytes),) * (1 + u.backward_gather)]
+    every = [
+        c
+        for u in order
+        for c in ((ALL_GATHER, u.gather_wire_bytes),) * (u.forward_gather + u.backward_gather)
+    ]
     every += [(REDUCE_SCATTER, u.reduce_wire_bytes) for u in order]
     total = sum(b for _, b in every)
     floor = sum(b for *_, b in exposed)

@@ -6,10 +6,13 @@
     cells.py      the pieces notebook 02's `build` cells define (filled in the instructor's copy)
     stubs.py      what an unwritten build cell raises, and the sentence a check says of it
     reveal.py     labkit's own version of a piece, shown once the learner's build passed its checks
-    yours.py      your engine from 02 in the later notebooks (05, 07), and what it did beside the libraries
+    learners_engine.py  the learner's engine for a run (02's pieces, 03's prefetch, 04's offload), refused
+                  in one sentence before any run while a piece is a stub or fails its check
+    yours.py      that engine in the later notebooks (04, 05, 07), and what it did beside the libraries
     fsdp2_check.py      notebook 05's build check: the learner's fully_shard calls on real ranks
     deepspeed_check.py  notebook 06's build check: the learner's ZeRO-3 config and training step
     prefetch_check.py   notebook 03's build check: the learner's 02 engine with prefetch, from its events
+    offload_check.py    notebook 04's build check: the learner's 02 engine with its offloaded optimizer step
 
 labkit.zero (the lab's own ZeRO-3) never imports this package.
 """

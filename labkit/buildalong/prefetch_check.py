@@ -2,7 +2,7 @@
 
 `check_prefetch(before_forward, before_backward)` trains your 02 pieces (`cells.pieces_from_notebook`) with these
 two moments in place of 02's, under the probes, and says one sentence per property that fails: "losses:" they are
-`single`'s (float32, LOSS_RTOL); "bytes:" the wire bytes per step are ZeRO-3's formula (`yours.formula_wire_bytes`),
+`single`'s (float32, LOSS_RTOL); "bytes:" the wire bytes per step are ZeRO-3's formula (`verdicts.formula_wire_bytes`),
 as prefetch moves bytes earlier, never more of them; "order:" in each pass, the gather of the unit that computes
 next was issued before this unit began computing and waited for only after that. The order is a log each rank
 keeps: when a moment starts, when it returns (the unit's compute begins), and when each all-gather is issued and
@@ -27,8 +27,14 @@ from labkit.buildalong.cells import pieces_from_notebook, unwritten_pieces
 from labkit.buildalong.checks import _learner, _LearnerError
 from labkit.buildalong.scaffold import Learner, Pieces
 from labkit.buildalong.stubs import NotWritten, unwritten
-from labkit.buildalong.verdicts import LOSS_RTOL, CheckResult, error_sentence, launched, names_of
-from labkit.buildalong.yours import formula_wire_bytes
+from labkit.buildalong.verdicts import (
+    LOSS_RTOL,
+    CheckResult,
+    error_sentence,
+    formula_wire_bytes,
+    launched,
+    names_of,
+)
 from labkit.collectives import COLLECTIVES, Patch
 from labkit.engines import on_rank
 from labkit.engines.base import RunConfig

@@ -31,7 +31,7 @@ from labkit.engines.registry import SCRATCH
 from labkit.model import loss_fn
 from labkit.names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from labkit.probes.memory import STEP_SCALAR_BYTES, STEP_SCALARS, in_categories
-from labkit.units import INPUT, OUTPUT, UnitSpec, unit_plan
+from labkit.units import INPUT, OUTPUT, ROOT, UnitSpec, unit_plan
 
 NAME = SCRATCH
 OPTIONS = ("hsdp_shard_size", "activation_checkpointing", "split_root")  # cfg.options it honours
@@ -239,7 +239,21 @@ def exposed_floor(
     if cfg.link_gbytes or machine:
         g = shard_size(cfg, world_size)
         seconds = partial(collective_time_s, world_size=g, link_gbytes=cfg.link_gbytes, machine=machine)
-    return budget_floor(unit_costs(model, cfg, world_size, units), cfg.prefetch_depth or 1, seconds)
+    return budget_floor(
+        as_scheduled(unit_costs(model, cfg, world_size, units)), cfg.prefetch_depth or 1, seconds
+    )
+
+
+def as_scheduled(costs: list[UnitCost]) -> list[UnitCost]:
+    """`costs` in the order their collectives run, for `exposed_floor`. A root kept whole (no split) has two
+    sides: it is gathered first in the forward, where only its embedding lookups (no compute) run before the
+    first unit, and gathered again first in the backward, beside its head's backward; its gradients are
+    reduced last, after the embeddings' backward. So it is weighed as two entries, first and last."""
+    if not costs or costs[0].name != ROOT:
+        return costs
+    root, *units = costs
+    head = root._replace(reduce_wire_bytes=0, forward_gather=False)  # its backward gather, before the head's
+    return [root._replace(backward_gather=False, computes=False), *units, head]
 
 
 def engine(model: nn.Module, cfg: RunConfig, info: RankInfo, units: UnitSpec = None):
