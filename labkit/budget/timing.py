@@ -54,9 +54,7 @@ class UnitCost(NamedTuple):
     reduce_wire_bytes: int  # its reduce-scatter
     backward_gather: bool  # gathered again before its backward (False: kept since its forward)
     computes: bool  # has compute of its own beside which a collective can run (an embedding lookup has none)
-    forward_gather: bool = (
-        True  # gathered before its forward here (False: a unit's backward side, see scratch)
-    )
+    forward_gather: bool = True  # gathered before its forward here (False: only its backward side is)
 
 
 def exposed_floor(

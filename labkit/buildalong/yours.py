@@ -1,11 +1,12 @@
-"""Your ZeRO-3 from notebook 02 in the later notebooks: read from 02's build cells, run beside the libraries.
+"""Your ZeRO-3 in the later notebooks: read from your build cells (02, 03, 04), run beside the libraries.
 
 `your_engine(cfg)` is `Learner(pieces)` of the build cells a run of `cfg` needs (02's, 03's prefetch, 04's
 offload: filled in the instructor's copy, the learner's own in the student copy), or None and one sentence: a
 setting it does not do, the pieces still to write, or, before any run, the piece whose check fails and the check
 cell to run again (`learners_engine.refusal`). A later notebook never falls back to labkit's engine in its place.
-`beside(records, name)` says, from one comparison's records, whether your run computed what `single` computed and moved the bytes ZeRO-3's formula counts: two
-all-gathers and one reduce-scatter of every (padded) parameter per step, (n-1)/n of each on the wire.
+`beside(records, name)` says, from one comparison's records, whether your run computed what `single` computed
+and moved the bytes ZeRO-3's formula counts: two all-gathers and one reduce-scatter of every (padded) parameter
+per step, (n-1)/n of each on the wire.
 """
 
 from __future__ import annotations
