@@ -239,17 +239,18 @@ def exposed_floor(
     if cfg.link_gbytes or machine:
         g = shard_size(cfg, world_size)
         seconds = partial(collective_time_s, world_size=g, link_gbytes=cfg.link_gbytes, machine=machine)
-    return budget_floor(
-        as_scheduled(unit_costs(model, cfg, world_size, units)), cfg.prefetch_depth or 1, seconds
-    )
+    costs = unit_costs(model, cfg, world_size, units)
+    scheduled = costs if split_root(cfg, units) else as_scheduled(costs)
+    return budget_floor(scheduled, cfg.prefetch_depth or 1, seconds)
 
 
 def as_scheduled(costs: list[UnitCost]) -> list[UnitCost]:
-    """`costs` in the order their collectives run, for `exposed_floor`. A root kept whole (no split) has two
-    sides: it is gathered first in the forward, where only its embedding lookups (no compute) run before the
-    first unit, and gathered again first in the backward, beside its head's backward; its gradients are
-    reduced last, after the embeddings' backward. So it is weighed as two entries, first and last."""
-    if not costs or costs[0].name != ROOT:
+    """`costs` of a plan whose root is kept whole (no split), in the order their collectives run, for
+    `exposed_floor`. The root has two sides: it is gathered first in the forward, where only its embedding
+    lookups (no compute) run before the first unit, and gathered again first in the backward, beside its head's
+    backward; its gradients are reduced last, after the embeddings' backward. So it is weighed as two entries,
+    first and last."""
+    if not costs or costs[0].name != ROOT:  # a model whose parameters all sit in its units: no root to weigh
         return costs
     root, *units = costs
     head = root._replace(reduce_wire_bytes=0, forward_gather=False)  # its backward gather, before the head's
