@@ -242,7 +242,8 @@ def test_the_student_04_runs_on_its_stubs_and_measures_the_learners_own_engine(
     assert "Not yet: your engine joins the table once the check above passes." in stubbed
     assert "scratch, offload" not in stubbed  # the student copy has no engine of labkit's: its own comes
     assert (
-        "Not yet: the prediction is answered by your engine's rows, once the check above passes." in stubbed
+        "Not yet: the prediction is answered by your engine's rows, once they run (what they wait for is said above)."
+        in stubbed
     )
     assert "deepspeed, optimizer" in stubbed  # the libraries' measurement goes on
     for notebook in (NOTEBOOK_02, PREFETCH_NOTEBOOK, NOTEBOOK):  # their 02, 03 (its prefetch), then their 04
