@@ -541,9 +541,7 @@ _STEPS: dict[str, Verdict] = {
 
 def formula_wire_bytes(model: str, world_size: int) -> dict[str, int]:
     """ZeRO-3's wire bytes per rank per step for `model` on `world_size` ranks, float32 and zero-padded shards:
-    {"all_gather": 2 x (n-1)/n x padded bytes, "reduce_scatter": (n-1)/n x padded bytes}."""
-    padded = 4 * sum(padded_numel(tuple(p.shape), world_size) for p in build_model(model).parameters())
-    return {
-        ALL_GATHER: 2 * collective_wire_bytes(ALL_GATHER, padded, world_size),
-        REDUCE_SCATTER: collective_wire_bytes(REDUCE_SCATTER, padded, world_size),
-    }
+    {"all_gather": 2 x (n-1)/n x padded bytes, "reduce_scatter": (n-1)/n x padded bytes} (`ModelFacts`'
+    per-parameter sums: every gather twice, every gradient reduced once)."""
+    facts = ModelFacts(model, world_size)
+    return {ALL_GATHER: 2 * facts.gather_bytes, REDUCE_SCATTER: facts.scatter_bytes}
