@@ -583,7 +583,7 @@ def roofline(rows: Sequence[dict], measured: dict, closed_form: dict | None, *, 
     ax.plot(fit_x, fit_y, ":", color="#333333", label="fit: floor + slope x max(0, T_x - T)")
     ax.axvline(measured["tokens_per_rank"], color="#C44E52", alpha=0.5, label="measured crossover T_x")
     if closed_form is not None:
-        ax.axvline(closed_form["tokens_per_rank"], color="#4C72B0", alpha=0.5, label="closed form T*")
+        ax.axvline(closed_form["tokens_per_rank"], color="#4C72B0", alpha=0.5, label="closed form T*(1-f)")
     _tokens_axis(ax)
     ax.set_xlabel("tokens per rank per step")
     ax.set_ylabel("ms per step")

@@ -159,11 +159,39 @@ def _row(sequences: int, compute_s: float, exposed_s: float) -> dict:
 
 
 def _machine(sequences: int) -> dict:
-    """A machine whose compute is 10 ms + 0.5 ms per token: prefetch hides the link once compute passes it."""
+    """A machine whose compute is 10 ms + 0.5 ms per token: prefetch hides the link once compute passes the
+    link's time for the bytes outside 03's floor."""
     tokens = roofline.tokens_per_rank(roofline.with_batch(MODEL, sequences), WORLD)
     compute_s = 0.010 + 500e-6 * tokens
     link_s = roofline.link_seconds(RunConfig(model=MODEL, world_size=WORLD, link_gbytes=LINK))
-    return _row(sequences, compute_s, 0.02 + 0.9 * max(0.0, link_s - compute_s))
+    hidden_s = link_s * (1 - roofline.floor_share(MODEL, WORLD))
+    return _row(sequences, compute_s, 0.02 + 0.9 * max(0.0, hidden_s - compute_s))
+
+
+def test_the_closed_form_is_t_star_less_the_floors_share_of_the_bytes():
+    """At a rate that does not move with the batch, the closed form is budget's T* x (1 - f), f the floor's wire
+    bytes over the step's (03's `exposed_floor` of the sweep's engine: tiny's split root on 2 ranks)."""
+    from labkit.budget import closed_form_critical_tokens
+    from labkit.engines import scratch
+    from labkit.engines.on_rank import options_for
+    from labkit.model import build_model
+
+    cfg = options_for(roofline.ENGINE, RunConfig(model=MODEL, world_size=WORLD))
+    floor = scratch.exposed_floor(build_model(MODEL), cfg, WORLD)
+    assert roofline.floor_share(MODEL, WORLD) == floor["floor_wire_bytes"] / floor["comm_wire_bytes"]
+    assert 0.1 < roofline.floor_share(MODEL, WORLD) < 0.3  # tiny's four blocks: a real share
+    flops = 20e9
+    per_token_s = 6 * roofline.count_params(build_model(MODEL)) / flops
+    rows = [
+        _row(g, per_token_s * roofline.tokens_per_rank(roofline.with_batch(MODEL, g), WORLD), 0.05)
+        for g in (8, 128)
+    ]
+    closed = roofline.closed_form_crossover(rows, MODEL, WORLD, LINK)
+    t_star = closed_form_critical_tokens(flops, LINK * 1e9, 4, WORLD)
+    assert closed["tokens_per_rank"] == pytest.approx(t_star * (1 - roofline.floor_share(MODEL, WORLD)))
+    assert closed["flops_per_s"] == pytest.approx(flops)
+    line = roofline.crossover_lines(roofline.measured_crossover(rows), closed, None)[0]
+    assert f"T* less 03's floor ({closed['floor_share']:.0%} of the bytes): ratio" in line
 
 
 def test_a_sweep_that_misses_the_crossover_widens_itself_and_says_so(monkeypatch):

@@ -343,7 +343,8 @@ def test_08_crossover_scale_and_the_production_surface(executed):
     )
     assert f"computed {at_scale['critical_tokens_per_rank']:.0f} tokens" in text, text
     crossover = re.search(
-        r"^crossover: measured ([\d,]+) tokens per rank .* closed form ([\d,]+) at R = \S+ GFLOP/s: ratio (\S+)$",
+        r"^crossover: measured ([\d,]+) tokens per rank .* closed form ([\d,]+) at R = \S+ GFLOP/s, T\* less 03's "
+        r"floor \(\d+% of the bytes\): ratio (\S+)$",
         text,
         re.M,
     )

@@ -8,12 +8,15 @@ figure is a `Measured` over the steps after the first of each, on the rank's clo
 widens a sweep that misses the closed form's crossover instead of failing, and `crossover_lines` and
 `rate_trend` say what the sweep shows only as far as its spreads allow.
 
-`closed_form_crossover` is `labkit.budget.roofline`'s T* = (b/2)(n-1)/n R/B with this machine's R: a CPU
-step has a fixed cost (Python, op launches), so the rate at which a rank computes rises with its tokens, and
-the formula holds with the rate at the crossover, where the step's compute equals its link time.
-`measured_crossover` fits the sweep with the shape the prefetch model predicts (exposed = floor +
-slope x max(0, T_x - T): falling while the link outruns the compute, flat once the compute hides it) and
-returns T_x. `link_for` picks the link that puts the closed form's crossover at a chosen number of tokens.
+`closed_form_crossover` is `labkit.budget.roofline`'s T* = (b/2)(n-1)/n R/B with this machine's R, less 03's
+floor. T* counts every byte as one the compute can hide; the floor's collectives (the first gather, the last
+reduce-scatter) cross the link while nothing computes, so the exposed time settles where the compute covers
+the rest: T* x (1 - `floor_share`), a fifth below T* on the 4-block `tiny`, a few percent below on a model of
+dozens of layers. A CPU step has a fixed cost (Python, op launches), so the rate at which a rank computes
+rises with its tokens, and the formula holds with the rate at the crossover. `measured_crossover` fits the
+sweep with the shape the prefetch model predicts (exposed = floor + slope x max(0, T_x - T): falling while the
+link outruns the compute, flat once the compute hides it) and returns T_x. `link_for` picks the link that
+puts T* at a chosen number of tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import labkit
 from labkit.budget import closed_form_critical_tokens
 from labkit.engines import scratch
 from labkit.engines.base import RunConfig
-from labkit.engines.on_rank import train_rank
+from labkit.engines.on_rank import options_for, train_rank
 from labkit.engines.registry import SCRATCH
 from labkit.measured import ADVICE, Measured, compare, interleaved
 from labkit.model import build_model, config, count_params, with_batch
@@ -156,21 +159,37 @@ def rate(model: str, tokens: float, compute_s: float) -> float:
 
 
 def link_for(world_size: int, critical_tokens: float, flops_per_s: float, weight_bytes: int = 4) -> float:
-    """The link (GB/s) that puts the closed form's T* at `critical_tokens` for a rank computing `flops_per_s`
+    """The link (GB/s) that puts T* (no floor taken off) at `critical_tokens` for a rank computing `flops_per_s`
     (T* is inversely proportional to the link: its value on a 1 B/s link over the one wanted)."""
     return closed_form_critical_tokens(flops_per_s, 1.0, weight_bytes, world_size) / critical_tokens / 1e9
+
+
+def floor_share(model: str, world_size: int) -> float:
+    """The share of a step's wire bytes that no prefetch can hide (03's floor: `scratch.exposed_floor` of the
+    sweep's engine at prefetch depth 1). The link carries those bytes while nothing computes, so the compute
+    has only the rest of the link's time to cover: the exposed time settles where it covers (1 - share) of it.
+    The same at every batch (wire bytes follow the parameters, not the tokens)."""
+    cfg = options_for(ENGINE, RunConfig(model=model, world_size=world_size))
+    return scratch.exposed_floor(build_model(model), cfg, world_size)["floor_share"]
 
 
 def closed_form_crossover(
     rows: Sequence[dict], model: str, world_size: int, link_gbytes: float, weight_bytes: int = 4
 ) -> dict[str, Any] | None:
-    """T* = (b/2)(n-1)/n R/B with R this machine's rate at T*: the tokens where each row's own T* (at its
-    measured rate) crosses its tokens, interpolated between the two rows around it, from the rows' medians.
-    Returns {"tokens_per_rank", "flops_per_s" (R there), "by_round" (a `Measured` of the same from each
-    round's medians, where that round straddles it)}; None when the sweep does not straddle it
-    (`missed_side` says which way it lies)."""
+    """T* = (b/2)(n-1)/n R/B less 03's floor, with R this machine's rate there: T* x (1 - `floor_share`), the
+    tokens where the compute covers the link's time for the bytes prefetch can hide. Found where each row's own
+    figure (at its measured rate) crosses its tokens, interpolated between the two rows around it, from the
+    rows' medians. Returns {"tokens_per_rank", "flops_per_s" (R there), "floor_share", "by_round" (a `Measured`
+    of the same from each round's medians, where that round straddles it)}; None when the sweep does not
+    straddle it (`missed_side` says which way it lies)."""
+    share = floor_share(model, world_size)
     at = _closed_form(
-        [(r["tokens_per_rank"], r["compute_s"]) for r in rows], model, world_size, link_gbytes, weight_bytes
+        [(r["tokens_per_rank"], r["compute_s"]) for r in rows],
+        model,
+        world_size,
+        link_gbytes,
+        share,
+        weight_bytes,
     )
     if at is None:
         return None
@@ -180,29 +199,37 @@ def closed_form_crossover(
             model,
             world_size,
             link_gbytes,
+            share,
             weight_bytes,
         )
         for k in range(len(rows[0]["by_round"]))
     ]
-    per_flop = closed_form_critical_tokens(1.0, link_gbytes * 1e9, weight_bytes, world_size)
-    # T* is proportional to the rate: the rate whose T* is t is t over T* at 1 FLOP/s.
+    per_flop = closed_form_critical_tokens(1.0, link_gbytes * 1e9, weight_bytes, world_size) * (1 - share)
+    # The figure is proportional to the rate: the rate whose figure is t is t over the figure at 1 FLOP/s.
     return {
         "tokens_per_rank": at,
         "flops_per_s": at / per_flop,
+        "floor_share": share,
         "by_round": Measured.of(t for t in rounds if t is not None) if any(rounds) else None,
     }
 
 
 def _closed_form(
-    points: Sequence[tuple[float, float]], model: str, world_size: int, link_gbytes: float, weight_bytes: int
+    points: Sequence[tuple[float, float]],
+    model: str,
+    world_size: int,
+    link_gbytes: float,
+    share: float,
+    weight_bytes: int = 4,
 ) -> float | None:
-    """The tokens where T* at the rate of (tokens, compute seconds) crosses the tokens; None if it does not."""
+    """The tokens where T* x (1 - `share`) at the rate of (tokens, compute seconds) crosses the tokens; None if
+    it does not."""
 
     def gap(tokens: float, compute_s: float) -> float:
         own = closed_form_critical_tokens(
             rate(model, tokens, compute_s), link_gbytes * 1e9, weight_bytes, world_size
         )
-        return own - tokens
+        return own * (1 - share) - tokens
 
     gaps = [(t, gap(t, c)) for t, c in points]
     for (t0, g0), (t1, g1) in pairwise(gaps):
@@ -270,10 +297,11 @@ def missed_side(rows: Sequence[dict], model: str, world_size: int, link_gbytes: 
     """None when the sweep straddles the closed form's crossover; else "larger" (it lies above the largest
     batch: compute never caught up with the link) or "smaller" (below the smallest)."""
     points = [(r["tokens_per_rank"], r["compute_s"]) for r in rows]
-    if _closed_form(points, model, world_size, link_gbytes, 4) is not None:
+    share = floor_share(model, world_size)
+    if _closed_form(points, model, world_size, link_gbytes, share) is not None:
         return None
     link_s = link_seconds(RunConfig(model=model, world_size=world_size, link_gbytes=link_gbytes))
-    return "larger" if rows[-1]["compute_s"] < link_s else "smaller"
+    return "larger" if rows[-1]["compute_s"] < link_s * (1 - share) else "smaller"
 
 
 def widened(sequences: Sequence[int], side: str, world_size: int) -> list[int]:
@@ -340,7 +368,8 @@ def crossover_lines(measured: dict, closed: dict | None, side: str | None) -> li
     head = [
         f"crossover: measured {measured['tokens_per_rank']:,.0f} tokens per rank (the fit's floor "
         f"{measured['floor_s'] * 1e3:.1f} ms, rms {measured['rms_s'] * 1e3:.1f} ms), closed form "
-        f"{closed['tokens_per_rank']:,.0f} at R = {closed['flops_per_s'] / 1e9:.1f} GFLOP/s: ratio {ratio:.2f}"
+        f"{closed['tokens_per_rank']:,.0f} at R = {closed['flops_per_s'] / 1e9:.1f} GFLOP/s, T* less 03's floor "
+        f"({closed['floor_share']:.0%} of the bytes): ratio {ratio:.2f}"
     ]
     if measured["at_edge"]:
         return [
