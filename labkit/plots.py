@@ -553,10 +553,9 @@ def mesh_figure(
 
 
 def roofline(rows: Sequence[dict], measured: dict, closed_form: dict | None, *, ax=None) -> Figure:
-    """A sweep of `labkit.lessons.roofline` (ms against tokens per rank, log x): each step's compute and its
-    exposed communication over the emulated link (medians, with their interquartile ranges as bars), the
-    link's time for the step's bytes, the fitted floor and fall (`measured`), and the two crossovers: the
-    fit's and the closed form's (`closed_form`; None where the sweep did not reach it)."""
+    """A sweep of `labkit.lessons.roofline` (ms against tokens per rank, log x): each step's compute and exposed
+    comm over the emulated link (medians, IQRs as bars), the link's time for the step's bytes, the fitted floor,
+    fall and crossover (`measured`), the closed form's band (`closed_form`, T*(1-f) to T*; None: not reached)."""
     fig, ax = _figure_and_axes(ax, (6.4, 3.4))
     tokens = [r["tokens_per_rank"] for r in rows]
     for key, style, colour, label in (
@@ -583,7 +582,8 @@ def roofline(rows: Sequence[dict], measured: dict, closed_form: dict | None, *, 
     ax.plot(fit_x, fit_y, ":", color="#333333", label="fit: floor + slope x max(0, T_x - T)")
     ax.axvline(measured["tokens_per_rank"], color="#C44E52", alpha=0.5, label="measured crossover T_x")
     if closed_form is not None:
-        ax.axvline(closed_form["tokens_per_rank"], color="#4C72B0", alpha=0.5, label="closed form T*(1-f)")
+        lo, hi = closed_form["low_tokens_per_rank"], closed_form["tokens_per_rank"]
+        ax.axvspan(lo, hi, color="#4C72B0", alpha=0.15, label="closed form, T*(1-f) to T*")
     _tokens_axis(ax)
     ax.set_xlabel("tokens per rank per step")
     ax.set_ylabel("ms per step")

@@ -316,7 +316,7 @@ def test_the_rooflines_labels_do_not_overlap(tokens):
     fig = plots.roofline(
         rows,
         {"tokens_per_rank": knee, "floor_s": 0.005, "slope_s_per_token": 1e-6},
-        {"tokens_per_rank": 1.1 * knee},
+        {"tokens_per_rank": 1.1 * knee, "low_tokens_per_rank": 0.9 * knee},
     )
     FigureCanvasAgg(fig)
     fig.canvas.draw()

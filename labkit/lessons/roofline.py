@@ -8,15 +8,15 @@ figure is a `Measured` over the steps after the first of each, on the rank's clo
 widens a sweep that misses the closed form's crossover instead of failing, and `crossover_lines` and
 `rate_trend` say what the sweep shows only as far as its spreads allow.
 
-`closed_form_crossover` is `labkit.budget.roofline`'s T* = (b/2)(n-1)/n R/B with this machine's R, less 03's
-floor. T* counts every byte as one the compute can hide; the floor's collectives (the first gather, the last
-reduce-scatter) cross the link while nothing computes, so the exposed time settles where the compute covers
-the rest: T* x (1 - `floor_share`), a fifth below T* on the 4-block `tiny`, a few percent below on a model of
-dozens of layers. A CPU step has a fixed cost (Python, op launches), so the rate at which a rank computes
-rises with its tokens, and the formula holds with the rate at the crossover. `measured_crossover` fits the
-sweep with the shape the prefetch model predicts (exposed = floor + slope x max(0, T_x - T): falling while the
-link outruns the compute, flat once the compute hides it) and returns T_x. `link_for` picks the link that
-puts T* at a chosen number of tokens.
+`closed_form_crossover` is `labkit.budget.roofline`'s T* = (b/2)(n-1)/n R/B with this machine's R, and the band
+below it that 03's floor opens: T* counts every byte as one the compute can hide, while the floor's collectives
+(the first gather, the last reduce-scatter) can cross the link with nothing beside them, leaving the compute only
+the rest to cover, so the knee lies from T* x (1 - `floor_share`) to T* (a fifth below T* on the 4-block `tiny`,
+a few percent on a model of dozens of layers). A CPU step has a fixed cost (Python, op launches), so the rate at
+which a rank computes rises with its tokens, and the formula holds with the rate at the crossover.
+`measured_crossover` fits the sweep with the shape the prefetch model predicts (exposed = floor + slope x
+max(0, T_x - T): falling while the link outruns the compute, flat once the compute hides it) and returns T_x.
+`link_for` picks the link that puts T* at a chosen number of tokens.
 """
 
 from __future__ import annotations
@@ -166,9 +166,8 @@ def link_for(world_size: int, critical_tokens: float, flops_per_s: float, weight
 
 def floor_share(model: str, world_size: int) -> float:
     """The share of a step's wire bytes that no prefetch can hide (03's floor: `scratch.exposed_floor` of the
-    sweep's engine at prefetch depth 1). The link carries those bytes while nothing computes, so the compute
-    has only the rest of the link's time to cover: the exposed time settles where it covers (1 - share) of it.
-    The same at every batch (wire bytes follow the parameters, not the tokens)."""
+    sweep's engine at prefetch depth 1). Where the link carries them while nothing computes, the compute has only
+    the rest of the link's time to cover. The same at every batch (wire bytes follow the parameters)."""
     cfg = options_for(ENGINE, RunConfig(model=model, world_size=world_size))
     return scratch.exposed_floor(build_model(model), cfg, world_size)["floor_share"]
 
@@ -176,40 +175,38 @@ def floor_share(model: str, world_size: int) -> float:
 def closed_form_crossover(
     rows: Sequence[dict], model: str, world_size: int, link_gbytes: float, weight_bytes: int = 4
 ) -> dict[str, Any] | None:
-    """T* = (b/2)(n-1)/n R/B less 03's floor, with R this machine's rate there: T* x (1 - `floor_share`), the
-    tokens where the compute covers the link's time for the bytes prefetch can hide. Found where each row's own
-    figure (at its measured rate) crosses its tokens, interpolated between the two rows around it, from the
-    rows' medians. Returns {"tokens_per_rank", "flops_per_s" (R there), "floor_share", "by_round" (a `Measured`
-    of the same from each round's medians, where that round straddles it)}; None when the sweep does not
-    straddle it (`missed_side` says which way it lies)."""
-    share = floor_share(model, world_size)
-    at = _closed_form(
-        [(r["tokens_per_rank"], r["compute_s"]) for r in rows],
-        model,
-        world_size,
-        link_gbytes,
-        share,
-        weight_bytes,
-    )
+    """T* = (b/2)(n-1)/n R/B with R this machine's rate at T*: the tokens where each row's own T* (at its
+    measured rate) crosses its tokens, interpolated between the two rows around it, from the rows' medians.
+    T* takes every byte as one the compute can hide; 03's floor can cross the link with nothing beside it, and
+    then the compute has only the rest to cover: "low_tokens_per_rank" is the same crossing of T* x (1 -
+    `floor_share`), the band's other end. Returns {"tokens_per_rank", "flops_per_s" (R there), "floor_share",
+    "low_tokens_per_rank", "by_round" (a `Measured` of T*'s crossing from each round's medians, where that
+    round straddles it)}; None when the sweep does not straddle T* (`missed_side` says which way it lies)."""
+    points = [(r["tokens_per_rank"], r["compute_s"]) for r in rows]
+    at = _closed_form(points, model, world_size, link_gbytes, 0.0, weight_bytes)
     if at is None:
         return None
+    share = floor_share(model, world_size)
+    low = _closed_form(points, model, world_size, link_gbytes, share, weight_bytes)
     rounds = [
         _closed_form(
             [(r["tokens_per_rank"], r["by_round"][k]["compute_s"]) for r in rows],
             model,
             world_size,
             link_gbytes,
-            share,
+            0.0,
             weight_bytes,
         )
         for k in range(len(rows[0]["by_round"]))
     ]
-    per_flop = closed_form_critical_tokens(1.0, link_gbytes * 1e9, weight_bytes, world_size) * (1 - share)
-    # The figure is proportional to the rate: the rate whose figure is t is t over the figure at 1 FLOP/s.
+    per_flop = closed_form_critical_tokens(1.0, link_gbytes * 1e9, weight_bytes, world_size)
+    # T* is proportional to the rate: the rate whose T* is t is t over T* at 1 FLOP/s.
     return {
         "tokens_per_rank": at,
         "flops_per_s": at / per_flop,
         "floor_share": share,
+        # below the sweep's smallest batch: T* x (1 - f) at the rate of T*'s crossing
+        "low_tokens_per_rank": low if low is not None else at * (1 - share),
         "by_round": Measured.of(t for t in rounds if t is not None) if any(rounds) else None,
     }
 
@@ -297,11 +294,10 @@ def missed_side(rows: Sequence[dict], model: str, world_size: int, link_gbytes: 
     """None when the sweep straddles the closed form's crossover; else "larger" (it lies above the largest
     batch: compute never caught up with the link) or "smaller" (below the smallest)."""
     points = [(r["tokens_per_rank"], r["compute_s"]) for r in rows]
-    share = floor_share(model, world_size)
-    if _closed_form(points, model, world_size, link_gbytes, share) is not None:
+    if _closed_form(points, model, world_size, link_gbytes, 0.0) is not None:
         return None
     link_s = link_seconds(RunConfig(model=model, world_size=world_size, link_gbytes=link_gbytes))
-    return "larger" if rows[-1]["compute_s"] < link_s * (1 - share) else "smaller"
+    return "larger" if rows[-1]["compute_s"] < link_s else "smaller"
 
 
 def widened(sequences: Sequence[int], side: str, world_size: int) -> list[int]:
@@ -349,7 +345,18 @@ def sweep_until_straddled(
 
 # ------------------------------------------------------------------------------------------ what it says
 
-CLOSE_ENOUGH = 0.25  # the closed form holds where the measured crossover is within 25% of it
+CLOSE_ENOUGH = 0.25  # the closed form holds where the measured crossover is within 25% of its band
+
+
+def in_band(measured: dict, closed: dict) -> bool:
+    """Whether the measured crossover lies within CLOSE_ENOUGH of the closed form's band: from T* x (1 - f)
+    (03's floor on the link alone) less 25% to T* (every byte hidden) plus 25%."""
+    t = measured["tokens_per_rank"]
+    return (
+        (1 - CLOSE_ENOUGH) * closed["low_tokens_per_rank"]
+        <= t
+        <= (1 + CLOSE_ENOUGH) * closed["tokens_per_rank"]
+    )
 
 
 def crossover_lines(measured: dict, closed: dict | None, side: str | None) -> list[str]:
@@ -368,8 +375,9 @@ def crossover_lines(measured: dict, closed: dict | None, side: str | None) -> li
     head = [
         f"crossover: measured {measured['tokens_per_rank']:,.0f} tokens per rank (the fit's floor "
         f"{measured['floor_s'] * 1e3:.1f} ms, rms {measured['rms_s'] * 1e3:.1f} ms), closed form "
-        f"{closed['tokens_per_rank']:,.0f} at R = {closed['flops_per_s'] / 1e9:.1f} GFLOP/s, T* less 03's floor "
-        f"({closed['floor_share']:.0%} of the bytes): ratio {ratio:.2f}"
+        f"{closed['tokens_per_rank']:,.0f} at R = {closed['flops_per_s'] / 1e9:.1f} GFLOP/s (down to "
+        f"{closed['low_tokens_per_rank']:,.0f} with 03's floor, {closed['floor_share']:.0%} of the bytes, on the link "
+        f"alone): ratio {ratio:.2f}"
     ]
     if measured["at_edge"]:
         return [
@@ -387,10 +395,10 @@ def crossover_lines(measured: dict, closed: dict | None, side: str | None) -> li
         else f"the measured crossover {_tokens(m_rounds)} over the rounds"
     )
     apart = c_rounds is not None and compare(m_rounds, c_rounds) != 0
-    if abs(ratio - 1) <= CLOSE_ENOUGH:
+    if in_band(measured, closed):
         lines.append(
             f"The closed form, with R taken where compute meets the link, is within {CLOSE_ENOUGH:.0%} of where "
-            f"prefetch stopped losing to the link ({spreads})."
+            f"prefetch stopped losing to the link, the floor on the link alone or not ({spreads})."
         )
     elif apart:
         lines.append(
