@@ -395,6 +395,15 @@ def _comm_edges() -> dict:
     }
 
 
+def _until_dropped(data_ptrs: set[int], timeout_s: float = 2.0) -> None:
+    """Wait until no storage Python can reach starts at one of `data_ptrs` (at most `timeout_s`)."""
+    from labkit.probes.memory import reachable_storages
+
+    deadline = time.monotonic() + timeout_s
+    while any(st.data_ptr() in data_ptrs for st in reachable_storages()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def _held_after_wait(n: int) -> dict:
     """References to an all-gather's buffers once its wait() returned, with and without a CPU peak measured,
     and what the peak's tracker counts live once the caller dropped them."""
@@ -403,7 +412,9 @@ def _held_after_wait(n: int) -> dict:
     work = dist.all_gather_single(recv, send, async_op=True)
     work.wait()
     out["unmeasured"] = (send._use_count(), recv._use_count())  # the Work still holds them
+    unmeasured = {send.untyped_storage().data_ptr(), recv.untyped_storage().data_ptr()}
     del work, send, recv
+    _until_dropped(unmeasured)  # by gloo's thread, a moment later: not live when the peak starts
     memory = PeakMemory(torch.device("cpu"))
     memory.start()
     before = memory._tracker.live_bytes

@@ -11,7 +11,9 @@ baseline live when it started. Both leave out `prior_bytes`, what was live befor
 (`note_prior`, called before the model is built): tensors of an earlier run in the same ranks that its
 engine left alive (DeepSpeed and FSDP1 leave their models behind, held by hooks in autograd's C++ side
 that `gc` cannot collect), so each run's figures are its own. On CPU ranks those storages are left out by
-identity, so one of them freed during the run (a cache an earlier engine let go) moves neither figure.
+identity, so one of them freed during the run (a cache an earlier engine let go) moves neither figure. A
+rank forked by `labkit.cluster` does not see what it inherited from its parent at all (the parent's objects
+sit in the collector's permanent generation while it forks), which leaves those out the same way.
 - GPU: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, reset once the garbage of what
   ran before (an earlier engine of `run_many`, held in reference cycles) is collected and the device has
   finished its queued work; the baseline is `memory_allocated` then. The caching allocator's own count:
