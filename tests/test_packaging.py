@@ -29,6 +29,9 @@ from labkit.limits import DEEPSPEED_SHM_BYTES_PER_RANK, NCCL_SHM_BYTES
 ROOT = Path(__file__).resolve().parents[1]
 PIN = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)==(?P<version>[^\s;#]+)$")
 JUPYTER_EXTENSIONS = {"nbgitpuller", "jupyterlab-rise"}  # the Jupyter server's and JupyterLab's, not labkit's
+# A dependency's dependency pinned for its cost, not imported by labkit: jsonschema (nbformat's validator) from
+# 4.25 on compiles rfc3987-syntax's grammar when imported, 2 to 3 s in every process that reads a notebook.
+SPEED_PINS = {"jsonschema"}
 SOURCES = ("labkit", "pyproject.toml", "setup.py", "README.md", "LICENSE", *course.FOLDERS, *course.FILES)
 
 
@@ -53,12 +56,20 @@ def _test_only() -> set[str]:
 def test_pyproject_declares_every_runtime_pin_and_the_license():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {Requirement(spec).name.lower() for spec in project["dependencies"]}
-    runtime = set(_requirement_pins()) - _test_only() - JUPYTER_EXTENSIONS
+    runtime = set(_requirement_pins()) - _test_only() - JUPYTER_EXTENSIONS - SPEED_PINS
     assert declared == runtime, (
         f"declared but not pinned: {declared - runtime}; pinned, not declared: {runtime - declared}"
     )
     assert project["license"] == "MIT" and (ROOT / "LICENSE").read_text().startswith("MIT License")
     assert project["dynamic"] == ["version"]
+
+
+def test_reading_a_notebook_compiles_no_grammar():
+    """The speed pin holds: nbformat's import (the grader, check() in a kernel, papermill) leaves rfc3987-syntax's
+    grammar alone (a fresh interpreter: nothing else has imported it)."""
+    code = "import sys, nbformat, labkit.grading.grader; print('rfc3987_syntax' in sys.modules, 'lark' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "False"], done.stdout
 
 
 def test_version_is_labkits(capsys):
